@@ -1,0 +1,79 @@
+"""Run the curve math on every core.
+
+Hashing and blinding are embarrassingly parallel over fixed-width records, so
+a batch is cut into slices, each slice goes to a worker process, and the
+results are joined in order. Small batches run inline: starting workers costs
+more than it saves.
+
+Workers come from a ``forkserver`` context: forking a process that runs an
+event loop and threads (a party service) can deadlock the child.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from functools import partial
+
+from alignment import curve
+
+__all__ = ["WorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+#: Below this many records, work runs in the calling process.
+INLINE_BELOW = 8192
+SLICE_RECORDS = 8192
+
+
+def _hash_slice(ids: Sequence[bytes]) -> bytes:
+    return curve.hash_to_curve(ids)
+
+
+class WorkerPool:
+    """A lazily started pool of worker processes for hashing and blinding."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers if workers is not None else (os.cpu_count() or 1)
+        self._executor: Executor | None = None
+
+    def _pool(self) -> Executor:
+        if self._executor is None:
+            ctx = multiprocessing.get_context("forkserver")
+            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            logger.info("started %d PSI worker processes", self.workers)
+        return self._executor
+
+    def _parallel(self, n: int) -> bool:
+        return self.workers > 1 and n >= INLINE_BELOW
+
+    def hash_to_curve(self, ids: Sequence[bytes]) -> bytes:
+        """``curve.hash_to_curve`` over all cores."""
+        if not self._parallel(len(ids)):
+            return curve.hash_to_curve(ids)
+        slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
+        return b"".join(self._pool().map(_hash_slice, slices))
+
+    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES) -> bytes:
+        """``curve.blind`` over all cores."""
+        n = len(points) // curve.POINT_BYTES
+        if not self._parallel(n):
+            return curve.blind(key, points, out_bytes)
+        step = SLICE_RECORDS * curve.POINT_BYTES
+        slices = [points[i : i + step] for i in range(0, len(points), step)]
+        fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes)
+        return b"".join(self._pool().map(fn, slices))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

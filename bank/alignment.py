@@ -1,0 +1,80 @@
+"""The bank aligns its customers with every partner and fixes one row order for all of them.
+
+PSI runs pairwise (the bank with each partner). The training rows are the
+customers every party holds, in the order of the first partner's pairwise
+intersection; each partner is then told which of its intersected rows to keep
+and in which order, as positions in its own pairwise order (no IDs).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from alignment.cache import hashed_points
+from alignment.parallel import WorkerPool
+from alignment.session import PsiPeer, PsiResult, check_minimum, run_initiator
+from parties.dataset import AlignedRows, PartyTable
+from parties.errors import ConfigError
+from parties.jobs import Progress
+
+__all__ = ["align_with_partners"]
+
+logger = logging.getLogger(__name__)
+
+
+def _positions_in(result: PsiResult, bank_rows: np.ndarray, n_bank: int) -> np.ndarray:
+    """Where each of ``bank_rows`` stands in ``result``'s order."""
+    where = np.full(n_bank, -1, dtype=np.int64)
+    where[result.rows] = np.arange(len(result.rows))
+    return where[bank_rows]
+
+
+def align_with_partners(
+    table: PartyTable,
+    partners: Mapping[str, PsiPeer],
+    pool: WorkerPool,
+    *,
+    min_intersection: int = 1,
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> tuple[AlignedRows, dict[str, int]]:
+    """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows."""
+    say = progress or (lambda _msg: None)
+    if not partners:
+        raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
+    say("hashing own IDs onto the curve")
+    points = hashed_points(table.normalized_ids, pool, cache_dir)
+    results: dict[str, tuple[str, PsiResult]] = {}
+    try:
+        for name, peer in partners.items():
+            session_id, result = run_initiator(
+                peer, points, pool, progress=lambda msg, name=name: say(f"{name}: {msg}")
+            )
+            results[name] = (session_id, result)
+            logger.info("PSI with %s: %d common customers", name, len(result))
+            check_minimum(len(result), min_intersection, f"partner {name!r}")
+        first = next(iter(results.values()))[1].rows
+        in_all = np.ones(len(first), dtype=bool)
+        for _, result in results.values():
+            in_all &= np.isin(first, result.rows)
+        rows = first[in_all]
+        check_minimum(len(rows), min_intersection, "all partners together")
+        alignment = AlignedRows(uuid.uuid4().hex, rows)
+        pairwise = {name: len(result) for name, (_, result) in results.items()}
+        say("committing the alignment")
+        for name, (session_id, result) in list(results.items()):
+            partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)), result.digest)
+            del results[name]
+    except BaseException:
+        for name, (session_id, _) in results.items():
+            try:
+                partners[name].abort(session_id)
+            except Exception:
+                logger.warning("could not abort the PSI session with %s", name)
+        raise
+    return alignment, pairwise

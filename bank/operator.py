@@ -1,0 +1,73 @@
+"""The bank operator's client: start work on the bank service and follow it to the end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from parties.client import make_client
+from parties.errors import CutlayerError, PeerError
+from parties.protocol import AlignmentRequest, JobStatus
+from parties.tls import PeerIdentity, TLSFiles
+
+__all__ = ["BankOperator"]
+
+
+class JobFailed(CutlayerError):
+    status_code = 500
+
+
+class BankOperator:
+    """Calls the bank service as the bank's own operator (with the bank's certificate)."""
+
+    def __init__(self, url: str, tls: TLSFiles | None, name: str = "bank", timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.client = make_client(tls, caller=PeerIdentity(name, "bank"), timeout=timeout, base_url=self.url)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise PeerError(f"the bank service at {self.url} did not answer: {exc}") from exc
+        if not response.is_success:
+            try:
+                detail = response.json().get("detail")
+            except ValueError:
+                detail = response.text[:200]
+            raise PeerError(f"the bank service refused {method} {path} (HTTP {response.status_code}): {detail}")
+        return response
+
+    def start_alignment(self, request: AlignmentRequest | None = None) -> JobStatus:
+        body = (request or AlignmentRequest()).model_dump()
+        return JobStatus.model_validate(self._request("POST", "/alignments", json=body).json())
+
+    def job(self, job_id: str) -> JobStatus:
+        return JobStatus.model_validate(self._request("GET", f"/jobs/{job_id}").json())
+
+    def wait(
+        self, job: JobStatus, on_progress: Callable[[str], None] | None = None, poll: float = 0.2
+    ) -> dict[str, object]:
+        """Poll until the job ends; return its result or raise with its error."""
+        seen = ""
+        while True:
+            job = self.job(job.job_id)
+            if on_progress is not None and job.progress != seen:
+                seen = job.progress
+                on_progress(seen)
+            if job.state == "succeeded":
+                return job.result or {}
+            if job.state == "failed":
+                raise JobFailed(f"{job.kind} failed: {job.error}")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> BankOperator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

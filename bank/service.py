@@ -1,0 +1,57 @@
+"""The bank's HTTP edge: the coordinator's endpoints, for the bank's own operator only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+
+from bank.core import BankCore
+from parties.app import create_party_app, require_self
+from parties.dataset import PartyTable, load_party_table
+from parties.errors import OutOfOrder
+from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus
+from parties.settings import BankSettings
+
+__all__ = ["create_app"]
+
+coordinator = APIRouter(dependencies=[Depends(require_self)], tags=["coordinator"])
+
+
+def core(request: Request) -> BankCore:
+    return request.app.state.core
+
+
+@coordinator.post("/alignments", status_code=202, response_model=JobStatus)
+async def start_alignment(body: AlignmentRequest, c: BankCore = Depends(core)) -> JobStatus:
+    return c.start_alignment(body).status()
+
+
+@coordinator.get("/alignment", response_model=AlignmentInfo)
+async def current_alignment(c: BankCore = Depends(core)) -> AlignmentInfo:
+    if c.alignment is None:
+        raise OutOfOrder("no alignment yet: POST /alignments first")
+    return AlignmentInfo(alignment_id=c.alignment.alignment_id, rows=len(c.alignment), pairwise=c.pairwise)
+
+
+@coordinator.get("/jobs/{job_id}", response_model=JobStatus)
+async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
+    return c.jobs.get(job_id).status()
+
+
+def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastAPI:
+    """The bank service: loads its own table (with labels) at start-up, coordinates the partners."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loaded = table or load_party_table(
+            settings.data, settings.id_column, settings.label, schema_path=settings.schema_file
+        )
+        app.state.core = BankCore(settings, loaded)
+        try:
+            yield
+        finally:
+            app.state.core.close()
+
+    return create_party_app(settings, lifespan=lifespan, routers=[coordinator])

@@ -1,0 +1,103 @@
+"""``python -m data``: fetch the UCI file and split tables into per-party files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from data.partition import SYNTHETIC_ID, PartitionSpec, PartySpec, partition, read_source_csv, write_partition
+from data.prepare import prepare_bank_marketing
+from data.uci import BANK_MARKETING_URL, cache_dir, locate_bank_full
+from parties.cli import configure_logging, run_cli
+from parties.errors import ConfigError
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name or not rest:
+            raise ConfigError(f"{flag} takes NAME=VALUE, got {v!r}")
+        out[name] = rest
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch", help="put a verified bank-full.csv into the data cache")
+    fetch.add_argument("--cache-dir", type=Path, default=None, help=f"default: $CUTLAYER_DATA_DIR or {cache_dir()}")
+    fetch.add_argument("--url", default=BANK_MARKETING_URL)
+
+    bm = sub.add_parser("bank-marketing", help="write the walkthrough's per-party files")
+    bm.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
+    bm.add_argument("--partners", type=int, default=1, help="spread the partner columns over N partners")
+    bm.add_argument("--partner-names", default=None, help="comma-separated names, one per partner")
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--rows", type=int, default=None, help="keep a seeded random slice of N customers")
+    bm.add_argument("--bank-coverage", type=float, default=0.95)
+    bm.add_argument("--partner-coverage", type=float, default=0.90)
+    bm.add_argument("--cache-dir", type=Path, default=None)
+    bm.add_argument("--no-download", action="store_true", help="fail instead of downloading")
+
+    gen = sub.add_parser("partition", help="split any CSV vertically")
+    gen.add_argument("--csv", type=Path, required=True)
+    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--sep", default=None, help="field separator (default: ';' or ',' from the header)")
+    gen.add_argument("--label", required=True, help="label column")
+    gen.add_argument("--label-party", required=True, help="the party that keeps the label")
+    gen.add_argument("--party", action="append", default=[], metavar="NAME=COL,COL", help="repeat per party")
+    gen.add_argument("--coverage", action="append", default=[], metavar="NAME=FRACTION")
+    gen.add_argument("--id-column", default=None, help="default: synthesise stable IDs from the row number")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_level", "INFO"))
+    if args.command == "fetch":
+        print(locate_bank_full(args.cache_dir, url=args.url))
+        return 0
+    if args.command == "bank-marketing":
+        names = args.partner_names.split(",") if args.partner_names else None
+        paths = prepare_bank_marketing(
+            args.out,
+            n_partners=args.partners,
+            partner_names=names,
+            seed=args.seed,
+            rows=args.rows,
+            bank_coverage=args.bank_coverage,
+            partner_coverage=args.partner_coverage,
+            cache=args.cache_dir,
+            download=not args.no_download,
+        )
+    else:
+        if not args.party:
+            raise ConfigError("give at least one --party NAME=COL,COL")
+        coverage = {k: float(v) for k, v in _pairs(args.coverage, "--coverage").items()}
+        parties = _pairs(args.party, "--party")
+        unknown = set(coverage) - set(parties)
+        if unknown:
+            raise ConfigError(f"--coverage names unknown parties: {sorted(unknown)}")
+        spec = PartitionSpec(
+            parties=tuple(PartySpec(n, tuple(c.split(",")), coverage.get(n, 1.0)) for n, c in parties.items()),
+            label_column=args.label,
+            label_party=args.label_party,
+            id_column=args.id_column,
+            seed=args.seed,
+        )
+        frame = read_source_csv(args.csv, args.sep)
+        paths = write_partition(
+            partition(frame, spec, str(args.csv)), spec, args.out, args.id_column or SYNTHETIC_ID
+        )
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""The app factory every party service uses: error mapping, caller identity, common endpoints.
+
+Routes stay thin: they check who calls, read the body within limits and call
+plain Python. Domain errors become HTTP responses here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
+from parties.protocol import CALLER_HEADER, Identity
+from parties.settings import ServiceSettings
+from parties.tls import ROLES, PeerIdentity, peer_identity
+
+__all__ = ["caller", "create_party_app", "read_body", "require_role", "require_self"]
+
+logger = logging.getLogger(__name__)
+
+
+def caller(request: Request) -> PeerIdentity:
+    """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
+    settings: ServiceSettings = request.app.state.settings
+    tls = request.scope.get("extensions", {}).get("tls") or {}
+    if tls.get("peercert"):
+        identity = peer_identity(tls["peercert"])
+        if identity is None:
+            raise Forbidden("the client certificate names no Cutlayer party and role")
+        return identity
+    if settings.insecure:
+        role, _, name = request.headers.get(CALLER_HEADER, "").partition(":")
+        if role in ROLES and name:
+            return PeerIdentity(name=name, role=role)
+        raise Forbidden(f"--insecure mode: say who calls in the {CALLER_HEADER} header as ROLE:NAME")
+    raise Forbidden("a client certificate is required")
+
+
+def require_role(role: str) -> Callable[..., PeerIdentity]:
+    """A dependency that admits callers whose certificate names ``role``."""
+
+    def check(identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+        if identity.role != role:
+            raise Forbidden(f"this endpoint is for the {role}; the caller is a {identity.role}")
+        return identity
+
+    return check
+
+
+def require_self(request: Request, identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+    """Admit only this party's own operator (a client holding this party's certificate)."""
+    settings: ServiceSettings = request.app.state.settings
+    if (identity.name, identity.role) != (settings.name, settings.role):
+        raise Forbidden(f"this endpoint is for {settings.name}'s own operator")
+    return identity
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit}")
+        except ValueError as exc:
+            raise BadMessage("content-length is not a number") from exc
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _error(status: int, kind: str, detail: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": kind, "detail": detail})
+
+
+def create_party_app(
+    settings: ServiceSettings,
+    *,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]],
+    routers: Sequence[APIRouter],
+) -> FastAPI:
+    app = FastAPI(title=f"Cutlayer {settings.role} service ({settings.name})", lifespan=lifespan)
+    app.state.settings = settings
+
+    @app.exception_handler(CutlayerError)
+    async def _domain_error(request: Request, exc: CutlayerError) -> JSONResponse:
+        logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
+        return _error(exc.status_code, type(exc).__name__, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return _error(422, "InvalidRequest", problems)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error(500, "InternalError", "the service failed; see its log")
+
+    common = APIRouter()
+
+    @common.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @common.get("/identity", response_model=Identity)
+    async def identity(_: PeerIdentity = Depends(caller)) -> Identity:
+        return Identity(name=settings.name, role=settings.role)
+
+    app.include_router(common)
+    for router in routers:
+        app.include_router(router)
+    return app

@@ -1,0 +1,172 @@
+"""A party's own table: loaded once, validated strictly, never sent anywhere.
+
+Errors name the file, the column and a row number (1-based, counting the
+header as row 1), never a customer ID or a value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from alignment.curve import normalize_id
+from parties.errors import DataError
+
+__all__ = ["AlignedRows", "FeatureSchema", "PartyTable", "load_party_table", "sniff_separator"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """Which of a party's columns are numeric and which categorical."""
+
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.numeric + self.categorical
+
+
+@dataclass(frozen=True)
+class PartyTable:
+    path: Path
+    id_column: str
+    ids: tuple[str, ...]
+    features: pd.DataFrame
+    schema: FeatureSchema
+    labels: pd.Series | None = None
+    normalized_ids: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def sniff_separator(path: Path) -> str:
+    """``;`` or ``,``, whichever the header line uses more."""
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        header = f.readline()
+    return ";" if header.count(";") > header.count(",") else ","
+
+
+def _row(position: int) -> int:
+    return position + 2  # 1-based, after the header line
+
+
+def _read_schema(path: Path) -> dict[str, object] | None:
+    if not path.exists():
+        return None
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not a valid schema file ({exc})") from exc
+    if not isinstance(schema, dict):
+        raise DataError(f"{path}: a schema is a JSON object")
+    return schema
+
+
+def load_party_table(
+    path: Path,
+    id_column: str,
+    label_column: str | None = None,
+    schema_path: Path | None = None,
+) -> PartyTable:
+    """Load and validate a party's CSV.
+
+    The schema (numeric vs categorical columns) comes from ``schema_path``,
+    else ``<file>.schema.json`` beside the CSV, else is inferred: a column is
+    numeric when every value parses as a number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, sep=sniff_separator(path))
+    except pd.errors.EmptyDataError as exc:
+        raise DataError(f"{path}: the file is empty") from exc
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable CSV ({exc})") from exc
+    if frame.empty:
+        raise DataError(f"{path}: the file has a header but no rows")
+    columns = list(frame.columns)
+    for role, col in (("ID", id_column), ("label", label_column)):
+        if col is not None and col not in frame.columns:
+            raise DataError(f"{path}: no {role} column {col!r} (columns: {', '.join(columns)})")
+
+    raw_ids = frame[id_column]
+    blank = raw_ids.str.strip() == ""
+    if blank.any():
+        raise DataError(f"{path}: column {id_column!r} is empty at row {_row(int(blank.to_numpy().argmax()))}")
+    normalized = [normalize_id(i) for i in raw_ids]
+    seen: dict[bytes, int] = {}
+    for pos, key in enumerate(normalized):
+        if key in seen:
+            raise DataError(
+                f"{path}: column {id_column!r} has duplicate IDs (rows {_row(seen[key])} and {_row(pos)}, "
+                "after stripping white space and Unicode NFC)"
+            )
+        seen[key] = pos
+
+    labels = None
+    if label_column is not None:
+        labels = frame[label_column]
+        missing = labels.str.strip() == ""
+        if missing.any():
+            raise DataError(
+                f"{path}: column {label_column!r} has no label at row {_row(int(missing.to_numpy().argmax()))}"
+            )
+
+    feature_cols = [c for c in columns if c not in (id_column, label_column)]
+    schema = _schema(path, schema_path, frame, feature_cols)
+    features = frame[list(schema.columns)].copy()
+    for col in schema.numeric:
+        parsed = pd.to_numeric(features[col].str.strip(), errors="coerce")
+        bad = parsed.isna() | ~parsed.abs().lt(float("inf"))
+        if bad.any():
+            raise DataError(
+                f"{path}: column {col!r} is numeric but row {_row(int(bad.to_numpy().argmax()))} is not a finite number"
+            )
+        features[col] = parsed.astype("float64")
+    logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
+    return PartyTable(
+        path=path,
+        id_column=id_column,
+        ids=tuple(raw_ids),
+        features=features,
+        schema=schema,
+        labels=labels,
+        normalized_ids=tuple(normalized),
+    )
+
+
+def _schema(path: Path, schema_path: Path | None, frame: pd.DataFrame, feature_cols: list[str]) -> FeatureSchema:
+    sidecar = Path(schema_path) if schema_path is not None else path.with_suffix(".schema.json")
+    if schema_path is not None and not sidecar.exists():
+        raise DataError(f"{sidecar}: no such schema file")
+    declared = _read_schema(sidecar)
+    if declared is None:
+        numeric = tuple(c for c in feature_cols if pd.to_numeric(frame[c], errors="coerce").notna().all())
+        return FeatureSchema(numeric, tuple(c for c in feature_cols if c not in numeric))
+    numeric = tuple(str(c) for c in declared.get("numeric", []))  # type: ignore[union-attr]
+    categorical = tuple(str(c) for c in declared.get("categorical", []))  # type: ignore[union-attr]
+    for col in numeric + categorical:
+        if col not in frame.columns:
+            raise DataError(f"{path}: column {col!r} named in {sidecar.name} is missing from the file")
+    return FeatureSchema(numeric, categorical)
+
+
+@dataclass(frozen=True)
+class AlignedRows:
+    """The outcome of alignment at one party: its own row indices, in the order every party shares."""
+
+    alignment_id: str
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)

@@ -1,0 +1,105 @@
+"""Cutlayer's domain exceptions, in one place.
+
+The tree::
+
+    CutlayerError
+    ├── ConfigError                 a flag, setting or certificate is wrong
+    ├── DataError                   a party's own data file is unusable
+    │   └── DatasetUnavailable      the public dataset is neither cached nor downloadable
+    ├── ProtocolError               a peer sent something we refuse (HTTP 4xx)
+    │   ├── BadMessage              malformed, wrong size, wrong shape         -> 400
+    │   ├── PayloadTooLarge         body over the configured limit             -> 413
+    │   ├── UnknownSession          no such session (or it expired)            -> 404
+    │   └── OutOfOrder              a valid message at the wrong time          -> 409
+    │       └── NotReady            the answer is still being computed; retry  -> 409
+    ├── Forbidden                   the caller's certificate lacks the role    -> 403
+    ├── AlignmentError              private set intersection could not finish  -> 422
+    │   ├── IntersectionTooSmall    empty, or under the configured minimum
+    │   └── AlignmentMismatch       the two sides computed different results
+    └── PeerError                   a peer failed, dropped or refused us       -> 502
+
+Core code raises these; the app factory (``parties.app``) maps them to HTTP
+status codes, and the CLIs print their message and exit non-zero.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlignmentError",
+    "AlignmentMismatch",
+    "BadMessage",
+    "ConfigError",
+    "CutlayerError",
+    "DataError",
+    "DatasetUnavailable",
+    "Forbidden",
+    "IntersectionTooSmall",
+    "NotReady",
+    "OutOfOrder",
+    "PayloadTooLarge",
+    "PeerError",
+    "ProtocolError",
+    "UnknownSession",
+]
+
+
+class CutlayerError(Exception):
+    """Base of every error Cutlayer raises on purpose."""
+
+    status_code = 500
+
+
+class ConfigError(CutlayerError):
+    status_code = 400
+
+
+class DataError(CutlayerError):
+    status_code = 422
+
+
+class DatasetUnavailable(DataError):
+    pass
+
+
+class ProtocolError(CutlayerError):
+    status_code = 400
+
+
+class BadMessage(ProtocolError):
+    status_code = 400
+
+
+class PayloadTooLarge(ProtocolError):
+    status_code = 413
+
+
+class UnknownSession(ProtocolError):
+    status_code = 404
+
+
+class OutOfOrder(ProtocolError):
+    status_code = 409
+
+
+class NotReady(OutOfOrder):
+    pass
+
+
+class Forbidden(CutlayerError):
+    status_code = 403
+
+
+class AlignmentError(CutlayerError):
+    status_code = 422
+
+
+class IntersectionTooSmall(AlignmentError):
+    pass
+
+
+class AlignmentMismatch(AlignmentError):
+    pass
+
+
+class PeerError(CutlayerError):
+    status_code = 502

@@ -1,0 +1,82 @@
+"""The party protocol's messages, in one place.
+
+JSON messages are pydantic models that carry the schema version and the
+session. Bulk data (blinded points, positions, later tensors) travels as
+binary bodies described by the headers below; nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ALIGNMENT_HEADER",
+    "CALLER_HEADER",
+    "DIGEST_HEADER",
+    "OCTET_STREAM",
+    "SCHEMA_VERSION",
+    "AlignmentInfo",
+    "AlignmentRequest",
+    "ErrorResponse",
+    "Identity",
+    "JobStatus",
+    "PsiOpenRequest",
+    "PsiOpenResponse",
+]
+
+SCHEMA_VERSION = 1
+OCTET_STREAM = "application/octet-stream"
+DIGEST_HEADER = "x-cutlayer-digest"
+ALIGNMENT_HEADER = "x-cutlayer-alignment"
+#: Only honoured in --insecure mode, where no certificate can say who calls.
+CALLER_HEADER = "x-cutlayer-caller"
+
+Version = Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schema_version: Version = SCHEMA_VERSION
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    detail: str
+
+
+class Identity(Message):
+    name: str
+    role: str
+
+
+class PsiOpenRequest(Message):
+    count: int = Field(ge=0, le=1 << 26, description="IDs the initiator will send")
+    chunk_items: int = Field(ge=1, le=1 << 18)
+
+
+class PsiOpenResponse(Message):
+    session: str
+    count: int = Field(ge=0)
+    chunk_items: int = Field(ge=1)
+
+
+class AlignmentRequest(Message):
+    partners: list[str] | None = Field(None, description="default: every configured partner")
+    min_intersection: int | None = Field(None, ge=1)
+
+
+class AlignmentInfo(Message):
+    alignment_id: str
+    rows: int
+    pairwise: dict[str, int] = Field(default_factory=dict)
+
+
+class JobStatus(Message):
+    job_id: str
+    kind: str
+    state: Literal["pending", "running", "succeeded", "failed"]
+    progress: str = ""
+    error: str | None = None
+    result: dict[str, object] | None = None

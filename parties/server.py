@@ -1,0 +1,143 @@
+"""Run a party's app under uvicorn: mutual TLS, the caller's certificate in the ASGI scope.
+
+uvicorn does not put the client certificate into the request scope, so the
+HTTP protocol class is extended to add it as ``scope["extensions"]["tls"]``;
+``parties.app`` reads the caller's name and role from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from parties.files import atomic_write_text
+from parties.tls import TLSFiles
+
+__all__ = ["ServerThread", "bind_socket", "build_server", "serve", "running_server"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+    """uvicorn's HTTP protocol, plus the verified client certificate in every request's scope."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        peercert = ssl_object.getpeercert() if ssl_object is not None else None
+        inner = self.app
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            scope.setdefault("extensions", {})["tls"] = {"peercert": peercert}
+            await inner(scope, receive, send)
+
+        self.app = app
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening-ready socket; port 0 lets the OS pick a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_server(app: Any, tls: TLSFiles | None, *, log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for ``app``; ``tls=None`` serves plain HTTP (the caller warns about it)."""
+    kwargs: dict[str, Any] = {}
+    if tls is not None:
+        tls.check()
+        kwargs = {
+            "ssl_certfile": str(tls.cert),
+            "ssl_keyfile": str(tls.key),
+            "ssl_ca_certs": str(tls.ca),
+            "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        }
+    config = uvicorn.Config(
+        app,
+        http=PeerCertHTTPProtocol,
+        log_level=log_level,
+        log_config=None,  # the entry point configures logging
+        access_log=False,  # access lines carry URLs and peers; our own logs say what matters
+        timeout_graceful_shutdown=5,
+        **kwargs,
+    )
+    return uvicorn.Server(config)
+
+
+def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ...}`` to ``ready_file``."""
+    sock = bind_socket(host, port)
+    server = build_server(app, tls, log_level="info")
+    scheme = "https" if tls is not None else "http"
+    url = f"{scheme}://{host}:{sock.getsockname()[1]}"
+
+    async def main() -> None:
+        async def announce() -> None:
+            while not server.started:
+                if server.should_exit:
+                    return
+                await asyncio.sleep(0.05)
+            logger.info("listening on %s", url)
+            if ready_file is not None:
+                atomic_write_text(ready_file, json.dumps({"url": url}) + "\n")
+
+        task = asyncio.create_task(announce())
+        await server.serve(sockets=[sock])
+        task.cancel()
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """A uvicorn server in a background thread, for tests, benchmarks and the walkthrough."""
+
+    def __init__(self, app: Any, tls: TLSFiles | None, host: str = "127.0.0.1") -> None:
+        self.sock = bind_socket(host, 0)
+        self.server = build_server(app, tls)
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://{host}:{self.sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn {self.url}")
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = threading.Event()
+        waited = 0.0
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"server {self.url} failed to start")
+            deadline.wait(0.02)
+            waited += 0.02
+            if waited > timeout:
+                raise TimeoutError(f"server {self.url} did not start in {timeout}s")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15)
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def running_server(app: Any, tls: TLSFiles | None) -> Iterator[ServerThread]:
+    thread = ServerThread(app, tls).start()
+    try:
+        yield thread
+    finally:
+        thread.stop()

@@ -1,0 +1,113 @@
+"""Typed settings, one class per role; flags and ``CUTLAYER_<ROLE>_*`` environment variables fill them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import ClassVar
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from parties.errors import ConfigError
+from parties.tls import Role, TLSFiles
+
+__all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "load_settings"]
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceSettings(BaseSettings):
+    """What every party service needs."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+    role: ClassVar[Role]
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    data: Path
+    id_column: str = "customer_id"
+    schema_file: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    tls_dir: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure: bool = False
+    state_dir: Path | None = None
+    workers: int | None = Field(None, ge=1)
+    min_intersection: int = Field(1, ge=1)
+    max_body_bytes: int = Field(64 << 20, ge=1024)
+    ready_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> ServiceSettings:
+        if not self.insecure:
+            self.tls_files()
+        return self
+
+    def tls_files(self) -> TLSFiles | None:
+        """The party's TLS files, or ``None`` in ``--insecure`` mode."""
+        if self.insecure:
+            return None
+        explicit = (self.tls_ca, self.tls_cert, self.tls_key)
+        if all(explicit):
+            return TLSFiles(*explicit)  # type: ignore[arg-type]
+        if any(explicit):
+            raise ValueError("give all of --tls-ca, --tls-cert and --tls-key, or --tls-dir")
+        if self.tls_dir is not None:
+            return TLSFiles.from_dir(self.tls_dir, self.name)
+        raise ValueError("TLS is required: give --tls-dir (or --tls-ca/--tls-cert/--tls-key), or --insecure")
+
+    @property
+    def cache_dir(self) -> Path | None:
+        return self.state_dir / "psi-cache" if self.state_dir is not None else None
+
+
+class PartnerSettings(ServiceSettings):
+    """A passive party: it holds features, no labels, and answers the bank."""
+
+    model_config = SettingsConfigDict(env_prefix="CUTLAYER_PARTNER_", extra="forbid", frozen=True)
+    role: ClassVar[Role] = "partner"
+
+    psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
+    max_psi_sessions: int = Field(4, ge=1)
+
+
+class BankSettings(ServiceSettings):
+    """The label holder: it drives alignment and training."""
+
+    model_config = SettingsConfigDict(env_prefix="CUTLAYER_BANK_", extra="forbid", frozen=True)
+    role: ClassVar[Role] = "bank"
+
+    label: str = "y"
+    partners: dict[str, str] = Field(default_factory=dict)
+    peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
+
+    @field_validator("partners")
+    @classmethod
+    def _urls(cls, partners: dict[str, str]) -> dict[str, str]:
+        for name, url in partners.items():
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"partner {name!r}: {url!r} is not an http(s) URL")
+        return {n: u.rstrip("/") for n, u in partners.items()}
+
+    @model_validator(mode="after")
+    def _scheme_matches_tls(self) -> BankSettings:
+        for name, url in self.partners.items():
+            if url.startswith("http://") and not self.insecure:
+                raise ValueError(f"partner {name!r} uses plain http; use https (or --insecure for development)")
+        return self
+
+
+def load_settings(cls: type[ServiceSettings], **values: object) -> ServiceSettings:
+    """Build settings from flags (``None`` means: not given, use the environment or the default)."""
+    try:
+        return cls(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid {cls.role} settings: {problems}") from exc

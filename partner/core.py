@@ -1,0 +1,89 @@
+"""The partner's side of alignment, without HTTP: PSI sessions and the committed alignment."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from alignment.cache import hashed_points
+from alignment.parallel import WorkerPool
+from alignment.session import PsiResponder, check_minimum
+from parties.dataset import AlignedRows, PartyTable
+from parties.errors import BadMessage, OutOfOrder, UnknownSession
+from parties.protocol import AlignmentInfo, PsiOpenRequest, PsiOpenResponse
+from parties.settings import PartnerSettings
+
+__all__ = ["PartnerCore"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest a request waits for a computation before answering "not ready, retry".
+WAIT_SECONDS = 30.0
+
+
+class PartnerCore:
+    """A partner's alignment state: its table, its worker pool, open PSI sessions, the alignment."""
+
+    def __init__(self, settings: PartnerSettings, table: PartyTable) -> None:
+        self.settings, self.table = settings, table
+        self.pool = WorkerPool(settings.workers)
+        self.threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="psi")
+        self._points: Future[bytes] = self.threads.submit(
+            hashed_points, table.normalized_ids, self.pool, settings.cache_dir
+        )
+        self._sessions: dict[str, PsiResponder] = {}
+        self._lock = threading.Lock()
+        self.alignment: AlignedRows | None = None
+
+    def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
+        with self._lock:
+            self._expire()
+            if len(self._sessions) >= self.settings.max_psi_sessions:
+                raise OutOfOrder(f"{len(self._sessions)} PSI sessions are open; finish or abort one first")
+        points = self._points.result()
+        responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items)
+        with self._lock:
+            self._sessions[responder.session_id] = responder
+        logger.info("PSI session %s opened", responder.session_id)
+        return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items)
+
+    def session(self, session_id: str) -> PsiResponder:
+        with self._lock:
+            responder = self._sessions.get(session_id)
+        if responder is None:
+            raise UnknownSession(f"no PSI session {session_id} (it may have expired)")
+        responder.touch()
+        return responder
+
+    def abort(self, session_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session_id, None) is not None:
+                logger.info("PSI session %s aborted", session_id)
+
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes) -> AlignmentInfo:
+        """Keep the aligned rows the bank chose, after checking both sides agree."""
+        responder = self.session(session_id)
+        if not alignment_id or len(alignment_id) > 64:
+            raise BadMessage("an alignment id is 1 to 64 characters")
+        rows = responder.finish(positions, digest)
+        check_minimum(len(rows), self.settings.min_intersection, "the bank")
+        self.alignment = AlignedRows(alignment_id, rows)
+        with self._lock:
+            self._sessions.pop(session_id, None)
+        logger.info("alignment %s committed: %d rows", alignment_id, len(rows))
+        return AlignmentInfo(alignment_id=alignment_id, rows=len(rows))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid, r in list(self._sessions.items()):
+            if now - r.last_used > self.settings.psi_session_ttl:
+                del self._sessions[sid]
+                logger.info("PSI session %s expired", sid)
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
