@@ -49,7 +49,7 @@ class LocalPsiPeer:
 
     def put_reblinded(self, session_id: str, index: int, data: bytes) -> None:
         self.sent.append(data)
-        self._session(session_id).receive_reblinded(index, data, timeout=600)
+        self._session(session_id).receive_reblinded(index, data)
 
     def get_reblinded(self, session_id: str, index: int) -> bytes:
         data = self._session(session_id).reblinded_chunk(index, timeout=600)

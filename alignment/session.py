@@ -198,18 +198,22 @@ class PsiResponder:
         self._own_double = ChunkedReceiver("re-blinded", self.own_count, TRUNCATED_BYTES, self.chunk_items)
         self._own_blinded: Future[bytes] = self.threads.submit(self.pool.blind, self._key, self.own_points)
         self._peer_double: Future[bytes] | None = None
-        self.result: PsiResult | None = None
+        self._result: PsiResult | None = None
+        self._start_reblinding()
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def _start_reblinding(self) -> None:
+        if self._peer_double is None and self._peer_blinded.complete:
+            self._peer_double = self.threads.submit(
+                self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES
+            )
+
     def receive_blinded(self, index: int, data: bytes) -> None:
         with self._lock:
             self._peer_blinded.add(index, data)
-            if self._peer_blinded.complete:
-                self._peer_double = self.threads.submit(
-                    self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES
-                )
+            self._start_reblinding()
 
     def blinded_chunk(self, index: int, timeout: float) -> bytes:
         self._check_index(index, self.own_count)
@@ -221,26 +225,32 @@ class PsiResponder:
             raise OutOfOrder("the peer's blinded set is not complete yet")
         return chunk_of(_wait(self._peer_double, timeout, "the re-blinded set"), index, self.chunk_items, TRUNCATED_BYTES)
 
-    def receive_reblinded(self, index: int, data: bytes, timeout: float) -> None:
+    def receive_reblinded(self, index: int, data: bytes) -> None:
         with self._lock:
             if self._peer_double is None:
                 raise OutOfOrder("send the blinded set before the re-blinded one")
             self._own_double.add(index, data)
-            if self._own_double.complete:
-                peer_double = _wait(self._peer_double, timeout, "the re-blinded set")
-                self.result = intersect(self._own_double.value(), peer_double)
 
-    def finish(self, positions: np.ndarray, digest: bytes) -> np.ndarray:
+    def outcome(self, timeout: float) -> PsiResult:
+        """This side's intersection, once both double-blinded sets are here."""
+        with self._lock:
+            if self._result is None:
+                if self._peer_double is None or not self._own_double.complete:
+                    raise OutOfOrder("the exchange is not complete")
+                peer_double = _wait(self._peer_double, timeout, "the re-blinded set")
+                self._result = intersect(self._own_double.value(), peer_double)
+            return self._result
+
+    def finish(self, positions: np.ndarray, digest: bytes, timeout: float = 600.0) -> np.ndarray:
         """Check the initiator's digest and return this party's rows in the final order."""
-        if self.result is None:
-            raise OutOfOrder("the exchange is not complete")
-        if digest != self.result.digest:
+        result = self.outcome(timeout)
+        if digest != result.digest:
             raise AlignmentMismatch("the two sides computed different intersections; nothing was kept")
-        if len(positions) and (positions.min() < 0 or positions.max() >= len(self.result)):
+        if len(positions) and (positions.min() < 0 or positions.max() >= len(result)):
             raise BadMessage("commit positions fall outside the intersection")
         if len(np.unique(positions)) != len(positions):
             raise BadMessage("commit positions repeat a row")
-        return self.result.rows[positions]
+        return result.rows[positions]
 
     def _check_index(self, index: int, count: int) -> None:
         if not 0 <= index < max(1, n_chunks(count, self.chunk_items)):

@@ -106,6 +106,7 @@ class ServerThread:
     """A uvicorn server in a background thread, for tests, benchmarks and the walkthrough."""
 
     def __init__(self, app: Any, tls: TLSFiles | None, host: str = "127.0.0.1") -> None:
+        self.app = app
         self.sock = bind_socket(host, 0)
         self.server = build_server(app, tls)
         scheme = "https" if tls is not None else "http"

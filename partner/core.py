@@ -69,7 +69,7 @@ class PartnerCore:
         responder = self.session(session_id)
         if not alignment_id or len(alignment_id) > 64:
             raise BadMessage("an alignment id is 1 to 64 characters")
-        rows = responder.finish(positions, digest)
+        rows = responder.finish(positions, digest, WAIT_SECONDS)
         check_minimum(len(rows), self.settings.min_intersection, "the bank")
         self.alignment = AlignedRows(alignment_id, rows)
         with self._lock:

@@ -56,7 +56,7 @@ async def get_blinded(session_id: str, index: int, c: PartnerCore = Depends(core
 async def put_reblinded(session_id: str, index: int, request: Request, c: PartnerCore = Depends(core)) -> Response:
     data = await read_body(request, c.settings.max_body_bytes)
     responder = c.session(session_id)
-    await run_in_threadpool(responder.receive_reblinded, index, data, WAIT_SECONDS)
+    responder.receive_reblinded(index, data)
     return Response(status_code=204)
 
 

@@ -1,0 +1,86 @@
+"""A party's own file: every bad input gets an error naming the file and the column."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parties.dataset import load_party_table
+from parties.errors import DataError
+
+
+def test_a_good_file_loads_with_its_schema(write_csv) -> None:
+    path = write_csv("bank.csv", customer_id=["007", "8"], age=["31", "40"], job=["a", "b"], y=["no", "yes"])
+    table = load_party_table(path, "customer_id", "y")
+    assert table.ids == ("007", "8")
+    assert table.schema.numeric == ("age",) and table.schema.categorical == ("job",)
+    assert table.features["age"].tolist() == [31.0, 40.0]
+    assert table.labels is not None and table.labels.tolist() == ["no", "yes"]
+
+
+CASES = {
+    "missing-id-column": (dict(id=["1"], a=["1"]), "customer_id", None, r"no ID column 'customer_id'"),
+    "missing-label": (dict(customer_id=["1"], a=["1"]), "customer_id", "y", r"no label column 'y'"),
+    "duplicate-ids": (dict(customer_id=["1", "2", "1"], a=["1", "2", "3"]), "customer_id", None, r"duplicate IDs \(rows 2 and 4"),
+    "duplicate-after-normalising": (dict(customer_id=["A1", " A1"], a=["1", "2"]), "customer_id", None, "duplicate IDs"),
+    "blank-id": (dict(customer_id=["1", " "], a=["1", "2"]), "customer_id", None, r"'customer_id' is empty at row 3"),
+    "blank-label": (dict(customer_id=["1", "2"], y=["no", ""]), "customer_id", "y", r"'y' has no label at row 3"),
+}
+
+
+@pytest.mark.parametrize(("columns", "id_column", "label", "message"), CASES.values(), ids=CASES.keys())
+def test_bad_files(write_csv, columns, id_column, label, message) -> None:
+    path = write_csv("party.csv", **columns)
+    with pytest.raises(DataError, match=message) as info:
+        load_party_table(path, id_column, label)
+    assert "party.csv" in str(info.value)
+
+
+def test_unparsable_numeric_value_names_column_and_row(write_csv, tmp_path: Path) -> None:
+    path = write_csv("p.csv", customer_id=["1", "2", "3"], balance=["10", "abc", "3"])
+    path.with_suffix(".schema.json").write_text('{"numeric": ["balance"], "categorical": []}')
+    with pytest.raises(DataError, match=r"p.csv: column 'balance' is numeric but row 3"):
+        load_party_table(path, "customer_id")
+
+
+def test_empty_and_missing_files(tmp_path: Path) -> None:
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "header.csv").write_text("customer_id,a\n")
+    with pytest.raises(DataError, match="empty.csv: the file is empty"):
+        load_party_table(tmp_path / "empty.csv", "customer_id")
+    with pytest.raises(DataError, match="header.csv: the file has a header but no rows"):
+        load_party_table(tmp_path / "header.csv", "customer_id")
+    with pytest.raises(DataError, match="nothere.csv: no such file"):
+        load_party_table(tmp_path / "nothere.csv", "customer_id")
+
+
+def test_schema_naming_a_missing_column(write_csv) -> None:
+    path = write_csv("p.csv", customer_id=["1"], a=["1"])
+    path.with_suffix(".schema.json").write_text('{"numeric": ["a", "b"]}')
+    with pytest.raises(DataError, match="column 'b' named in p.schema.json is missing"):
+        load_party_table(path, "customer_id")
+
+
+@pytest.mark.parametrize("module", ["partner", "bank"])
+def test_serve_cli_refuses_bad_data_without_a_traceback(write_csv, module: str) -> None:
+    path = write_csv("dup.csv", customer_id=["1", "1"], a=["1", "2"], y=["no", "yes"])
+    result = subprocess.run(
+        [sys.executable, "-m", module, "serve", "--name", module, "--data", str(path), "--insecure"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "dup.csv: column 'customer_id' has duplicate IDs" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_cli_requires_tls_or_insecure(write_csv) -> None:
+    path = write_csv("p.csv", customer_id=["1"], a=["1"])
+    result = subprocess.run(
+        [sys.executable, "-m", "partner", "serve", "--name", "partner", "--data", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "TLS is required" in result.stderr and "Traceback" not in result.stderr
