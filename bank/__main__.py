@@ -6,16 +6,22 @@ import argparse
 import json
 import logging
 import sys
+
+import torch
+from pydantic import ValidationError
+from tqdm import tqdm
 import time
 from pathlib import Path
+from typing import Any
 
+from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
 from parties.cli import add_service_arguments, configure_logging, run_cli, service_values
 from parties.dataset import load_party_table
 from parties.errors import ConfigError
-from parties.protocol import AlignmentRequest
+from parties.protocol import AlignmentRequest, JobStatus
 from parties.server import serve
 from parties.settings import BankSettings, load_settings
 from parties.tls import TLSFiles
@@ -53,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--min-intersection", type=int, default=None)
     a.add_argument("--log-level", default="WARNING")
 
+    t = sub.add_parser("train", help="train across every partner, through the running bank service")
+    t.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
+    t.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
+    t.add_argument("--tls-dir", type=Path, default=None)
+    t.add_argument("--insecure", action="store_true")
+    t.add_argument("--config", type=Path, default=None, help="a JSON file of training settings (see bank/config.py)")
+    t.add_argument("--epochs", type=int, default=None)
+    t.add_argument("--batch-size", type=int, default=None)
+    t.add_argument("--aggregation", choices=["concat", "sum", "mean"], default=None)
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--log-level", default="WARNING")
+
     w = sub.add_parser("walkthrough", help="run the bank-marketing walkthrough end to end")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
     w.add_argument("--partners", type=int, default=1)
@@ -61,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cache-dir", type=Path, default=None, help="where bank-full.csv is cached")
     w.add_argument("--no-download", action="store_true")
     w.add_argument("--workers", type=int, default=None)
+    w.add_argument("--epochs", type=int, default=None, help="training epochs (default 30, with early stopping)")
+    w.add_argument("--max-steps", type=int, default=None, help="stop training after N steps (smoke runs)")
     w.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -73,36 +93,80 @@ def main(argv: list[str] | None = None) -> int:
             BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner)
         )
         assert isinstance(settings, BankSettings)
+        torch.set_num_threads(settings.torch_threads)
         if settings.insecure:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
         table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0
-    if args.command == "align":
+    if args.command in ("align", "train"):
         if args.tls_dir is None and not args.insecure:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
+    if args.command == "train":
+        config = _training_config(args.config, epochs=args.epochs, batch_size=args.batch_size,
+                                  aggregation=args.aggregation, seed=args.seed)
+        with BankOperator(args.url, tls, args.name) as operator:
+            with tqdm(total=1000, desc="training", bar_format="{l_bar}{bar}| {postfix}") as bar:
+
+                def show(job: JobStatus) -> None:
+                    bar.n = int(1000 * (job.fraction or 0))
+                    bar.set_postfix_str(job.progress[:60])
+
+                result = operator.wait(operator.start_training(config), on_progress=show)
+        print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+        return 0
+    if args.command == "align":
         request = AlignmentRequest(
             partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection
         )
         with BankOperator(args.url, tls, args.name) as operator:
-            result = operator.wait(operator.start_alignment(request), on_progress=lambda m: print(f"... {m}", file=sys.stderr))
+            result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
         print(json.dumps(result, indent=2))
         return 0
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed)
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
-                          cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers)
+                          cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,
+                          training=training)
     )
-    alignment = summary["alignment"]
-    assert isinstance(alignment, dict)
+    print_summary(out, summary)
+    return 0
+
+
+def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
+    values: dict[str, object] = {}
+    if path is not None:
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    values |= {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return TrainingConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid training settings{f' in {path}' if path else ''}: {problems}") from exc
+
+
+def print_summary(out: Path, summary: dict[str, Any]) -> None:
+    alignment, test = summary["alignment"], summary["test"]
     print(f"\nRun folder: {out}")
     print(f"{'party':<12}{'customers':>10}")
-    for name, n in summary["rows_per_party"].items():  # type: ignore[union-attr]
+    for name, n in summary["rows_per_party"].items():
         print(f"{name:<12}{n:>10}")
     print(f"{'aligned':<12}{alignment['rows']:>10}   (alignment {alignment['alignment_id']})")
-    print(f"wall time: {summary['wall_seconds']} s")
-    return 0
+    print(f"\nTest metrics (best epoch {summary['best_epoch']} of {summary['epochs_run']}):")
+    for metric, value in test.items():
+        print(f"  {metric:<10}{value:8.4f}")
+    for name, comm in summary["communication"].items():
+        print(f"\n{name}: {comm['round_trips']} round trips, {comm['bytes_per_step'] / 1024:.1f} KiB per step "
+              f"(minimum {comm['minimum_bytes_per_step'] / 1024:.1f} KiB: embedding + gradient)")
+    print("\nModel files (each party wrote its own):")
+    for name, path in summary["model_files"].items():
+        print(f"  {name:<10}{path}")
+    print(f"\nwall time: {summary['wall_seconds']} s")
 
 
 if __name__ == "__main__":

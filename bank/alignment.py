@@ -1,13 +1,17 @@
 """The bank aligns its customers with every partner and fixes one row order for all of them.
 
 PSI runs pairwise (the bank with each partner). The training rows are the
-customers every party holds, in the order of the first partner's pairwise
-intersection; each partner is then told which of its intersected rows to keep
-and in which order, as positions in its own pairwise order (no IDs).
+customers every party holds. Their order is a seeded pseudo-random
+permutation (by ``SHA-256(seed, ID)``, computed at the bank), so the same data
+and seed always give the same order, and hence the same split and the same
+model, while the order says nothing about the bank's own file. Each partner is
+then told which of its intersected rows to keep and in which order, as
+positions in its own pairwise order (no IDs).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Mapping
@@ -22,9 +26,16 @@ from parties.dataset import AlignedRows, PartyTable
 from parties.errors import ConfigError
 from parties.jobs import Progress
 
-__all__ = ["align_with_partners"]
+__all__ = ["align_with_partners", "seeded_order"]
 
 logger = logging.getLogger(__name__)
+
+
+def seeded_order(table: PartyTable, rows: np.ndarray, seed: int) -> np.ndarray:
+    """``rows`` sorted by ``SHA-256(seed || normalised ID)``: deterministic, and independent of file order."""
+    prefix = seed.to_bytes(8, "little", signed=True)
+    keys = np.array([hashlib.sha256(prefix + table.normalized_ids[r]).digest() for r in rows], dtype="S32")
+    return rows[np.argsort(keys, kind="stable")]
 
 
 def _positions_in(result: PsiResult, bank_rows: np.ndarray, n_bank: int) -> np.ndarray:
@@ -40,6 +51,7 @@ def align_with_partners(
     pool: WorkerPool,
     *,
     min_intersection: int = 1,
+    order_seed: int = 0,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
 ) -> tuple[AlignedRows, dict[str, int]]:
@@ -62,7 +74,7 @@ def align_with_partners(
         in_all = np.ones(len(first), dtype=bool)
         for _, result in results.values():
             in_all &= np.isin(first, result.rows)
-        rows = first[in_all]
+        rows = seeded_order(table, first[in_all], order_seed)
         check_minimum(len(rows), min_intersection, "all partners together")
         alignment = AlignedRows(uuid.uuid4().hex, rows)
         pairwise = {name: len(result) for name, (_, result) in results.items()}

@@ -7,10 +7,14 @@ from typing import Any
 
 from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
-from bank.proxy import HttpPartner
+from bank.config import TrainingConfig
+from bank.proxy import HttpPartner, InProcessParty
+from bank.results import write_run
+from bank.task import Task
+from bank.trainer import Coordinator
 from parties.client import client_for
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import ConfigError
+from parties.errors import ConfigError, OutOfOrder
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest
 from parties.settings import BankSettings
@@ -46,6 +50,7 @@ class BankCore:
                 peers,
                 self.pool,
                 min_intersection=minimum,
+                order_seed=request.order_seed,
                 cache_dir=self.settings.cache_dir,
                 progress=progress,
             )
@@ -59,6 +64,55 @@ class BankCore:
             return self.align(request, progress).model_dump()
 
         return self.jobs.submit("alignment", work)
+
+    def train(self, config: TrainingConfig, progress: Progress) -> dict[str, Any]:
+        """Train across the bank and its partners on the current alignment; write the run folder."""
+        alignment = self.alignment
+        if alignment is None:
+            raise OutOfOrder("no alignment yet: align before training")
+        assert self.table.labels is not None
+        labels = self.table.labels.iloc[alignment.rows]
+        task = Task(config.task, config.positive_label).fit(labels)
+        targets = task.targets(labels)
+        urls = self.partners(config.partners)
+        runs = self.settings.state_path / "runs"
+        with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
+            partners = [HttpPartner(name, url, client) for name, url in urls.items()]
+            own = InProcessParty(
+                self.settings.name, self.table, lambda: alignment, config.bank_bottom,
+                model_dir=lambda session: runs / session / "model" / "bank",
+            )
+            coordinator = Coordinator(
+                config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
+                progress=lambda msg, frac=None: progress(msg, frac),
+            )
+            progress("starting the parties' sessions", 0.0)
+            outcome = coordinator.run()
+        steps = max(outcome.steps, 1)
+        communication = {
+            p.name: {
+                "round_trips": p.round_trips,
+                "bytes_sent": p.bytes_sent,
+                "bytes_received": p.bytes_received,
+                "bytes_per_step": (p.bytes_sent + p.bytes_received) / steps,
+                "minimum_bytes_per_step": 2 * 4 * p.width * config.batch_size,
+            }
+            for p in partners
+        }
+        files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
+        run_dir = runs / outcome.session_id
+        assert coordinator.top is not None
+        metrics = write_run(
+            run_dir, config=config, task=task, outcome=outcome, top=coordinator.top, targets=targets,
+            communication=communication, party_files=files, alignment_id=alignment.alignment_id,
+        )
+        return {"run_dir": str(run_dir), **metrics}
+
+    def start_training(self, config: TrainingConfig) -> Job:
+        if self.alignment is None:
+            raise OutOfOrder("no alignment yet: POST /alignments first")
+        self.partners(config.partners)
+        return self.jobs.submit("training", lambda progress: self.train(config, progress))
 
     def close(self) -> None:
         self.pool.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from bank.config import TrainingConfig
 from parties.client import make_client
 from parties.errors import CutlayerError, PeerError
 from parties.protocol import AlignmentRequest, JobStatus
@@ -44,19 +45,23 @@ class BankOperator:
         body = (request or AlignmentRequest()).model_dump()
         return JobStatus.model_validate(self._request("POST", "/alignments", json=body).json())
 
+    def start_training(self, config: TrainingConfig | None = None) -> JobStatus:
+        body = (config or TrainingConfig()).model_dump(mode="json")
+        return JobStatus.model_validate(self._request("POST", "/trainings", json=body).json())
+
     def job(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("GET", f"/jobs/{job_id}").json())
 
     def wait(
-        self, job: JobStatus, on_progress: Callable[[str], None] | None = None, poll: float = 0.2
-    ) -> dict[str, object]:
+        self, job: JobStatus, on_progress: Callable[[JobStatus], None] | None = None, poll: float = 0.2
+    ) -> dict[str, Any]:
         """Poll until the job ends; return its result or raise with its error."""
         seen = ""
         while True:
             job = self.job(job.job_id)
             if on_progress is not None and job.progress != seen:
                 seen = job.progress
-                on_progress(seen)
+                on_progress(job)
             if job.state == "succeeded":
                 return job.result or {}
             if job.state == "failed":

@@ -1,7 +1,10 @@
-"""The bank's view of a partner: a proxy that speaks the party protocol over HTTP.
+"""The bank's view of the other parties: proxies with one contract, over HTTP or in process.
 
-The coordinator only sees the ``PsiPeer`` contract; ``alignment.local`` has the
-in-process implementation that the same contract tests run against.
+For alignment the coordinator sees the ``PsiPeer`` contract (``alignment.local``
+has the in-process implementation); for training it sees ``TrainingParty``,
+implemented here by ``HttpPartner`` (a partner service) and ``InProcessParty``
+(the bank's own bottom model, or any party's session called directly). The
+same contract tests run against both.
 """
 
 from __future__ import annotations
@@ -9,15 +12,105 @@ from __future__ import annotations
 import logging
 import time
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
 import httpx
 import numpy as np
+import torch
 
 from alignment.session import SessionInfo
 from parties.client import expect_server
-from parties.errors import AlignmentMismatch, IntersectionTooSmall, NotReady, PeerError
-from parties.protocol import ALIGNMENT_HEADER, DIGEST_HEADER, OCTET_STREAM, AlignmentInfo, PsiOpenRequest, PsiOpenResponse
+from parties.dataset import AlignedRows, PartyTable
+from parties.errors import AlignmentMismatch, BadMessage, IntersectionTooSmall, NotReady, PeerError
+from parties.model import BottomConfig
+from parties.protocol import (
+    ALIGNMENT_HEADER,
+    DIGEST_HEADER,
+    OCTET_STREAM,
+    AlignmentInfo,
+    FinishRequest,
+    ModelFiles,
+    PsiOpenRequest,
+    PsiOpenResponse,
+    TrainSessionInfo,
+)
+from parties.session import PartySession
+from parties.wire import SAFETENSORS, decode, encode
 
-__all__ = ["HttpPartner"]
+
+class TrainingParty(Protocol):
+    """What the training coordinator needs from a party that holds a bottom model."""
+
+    name: str
+
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+        """Fit the party's encoder on its training rows and build its bottom; returns the embedding width."""
+        ...
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def mark_best(self) -> None: ...
+
+    def finish(self, restore_best: bool) -> ModelFiles:
+        """Restore the best weights if asked and write the party's model files; the session stays open."""
+        ...
+
+    def end(self) -> None:
+        """Close the session (after success or failure)."""
+        ...
+
+
+class InProcessParty:
+    """A party's training session called directly (the bank's own bottom; contract tests)."""
+
+    def __init__(
+        self,
+        name: str,
+        table: PartyTable,
+        alignment: Callable[[], AlignedRows],
+        config: BottomConfig,
+        model_dir: Callable[[str], Path] | None = None,
+    ) -> None:
+        self.name, self.table, self._alignment, self.config = name, table, alignment, config
+        self._model_dir = model_dir
+        self.session: PartySession | None = None
+
+    def _live(self) -> PartySession:
+        if self.session is None:
+            raise PeerError(f"{self.name}: no training session")
+        return self.session
+
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+        alignment = self._alignment()
+        if alignment.alignment_id != alignment_id:
+            raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
+        self.session = PartySession(session_id, self.table, alignment, train_positions, self.config)
+        return self.session.trainer.width
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        return self._live().trainer.step(step, grad, rows)
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._live().trainer.embed(rows)
+
+    def mark_best(self) -> None:
+        self._live().trainer.mark_best()
+
+    def finish(self, restore_best: bool) -> ModelFiles:
+        session = self._live()
+        if restore_best:
+            session.trainer.restore_best()
+        files = session.save(self._model_dir(session.session_id)) if self._model_dir is not None else {}
+        return ModelFiles(session=session.session_id, files=files)
+
+    def end(self) -> None:
+        self.session = None
+
+__all__ = ["HttpPartner", "InProcessParty", "TrainingParty"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +125,9 @@ class HttpPartner:
         self.wait_deadline = wait_deadline
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.round_trips = 0
+        self.session_id = ""
+        self.width = 0
 
     def _call(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
         try:
@@ -40,6 +136,7 @@ class HttpPartner:
             raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
         self.bytes_sent += len(response.request.content or b"")
         self.bytes_received += len(response.content)
+        self.round_trips += 1
         if response.is_success:
             return response
         try:
@@ -95,3 +192,56 @@ class HttpPartner:
 
     def abort(self, session_id: str) -> None:
         self._call("DELETE", f"/psi/sessions/{session_id}", "aborting the session")
+
+    # --- training -------------------------------------------------------------------------
+
+    def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> httpx.Response:
+        return self._call(
+            "POST", path, what, content=encode(tensors, **meta), headers={"content-type": SAFETENSORS}
+        )
+
+    def _embedding(self, response: httpx.Response, rows: int, what: str) -> torch.Tensor:
+        message = decode(response.content, {"embedding": torch.float32})
+        z = message.get("embedding")
+        if z is None or tuple(z.shape) != (rows, self.width):
+            shape = None if z is None else tuple(z.shape)
+            raise PeerError(f"partner {self.name!r} sent {what} of shape {shape}; expected {(rows, self.width)}")
+        return z
+
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+        response = self._post_tensors(
+            "/train/sessions", "starting training", {"train_rows": train_positions},
+            session=session_id, alignment=alignment_id,
+        )
+        expect_server(response, self.name, "partner")
+        info = TrainSessionInfo.model_validate(response.json())
+        self.session_id, self.width = session_id, info.embedding_width
+        return info.embedding_width
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
+        response = self._post_tensors(
+            f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, session=self.session_id, step=step
+        )
+        if rows is None:
+            return None
+        return self._embedding(response, rows.numel(), f"the embedding of step {step}")
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        response = self._post_tensors(
+            f"/train/sessions/{self.session_id}/embed", "an evaluation embedding", {"rows": rows},
+            session=self.session_id,
+        )
+        return self._embedding(response, rows.numel(), "an evaluation embedding")
+
+    def mark_best(self) -> None:
+        self._call("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+
+    def finish(self, restore_best: bool) -> ModelFiles:
+        body = FinishRequest(restore_best=restore_best).model_dump()
+        response = self._call("POST", f"/train/sessions/{self.session_id}/finish", "finishing training", json=body)
+        return ModelFiles.model_validate(response.json())
+
+    def end(self) -> None:
+        if self.session_id:
+            self._call("DELETE", f"/train/sessions/{self.session_id}", "ending training")

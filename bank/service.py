@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
+from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.app import create_party_app, require_self
 from parties.dataset import PartyTable, load_party_table
@@ -33,6 +34,11 @@ async def current_alignment(c: BankCore = Depends(core)) -> AlignmentInfo:
     if c.alignment is None:
         raise OutOfOrder("no alignment yet: POST /alignments first")
     return AlignmentInfo(alignment_id=c.alignment.alignment_id, rows=len(c.alignment), pairwise=c.pairwise)
+
+
+@coordinator.post("/trainings", status_code=202, response_model=JobStatus)
+async def start_training(body: TrainingConfig, c: BankCore = Depends(core)) -> JobStatus:
+    return c.start_training(body).status()
 
 
 @coordinator.get("/jobs/{job_id}", response_model=JobStatus)

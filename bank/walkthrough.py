@@ -1,24 +1,31 @@
-"""The bank-marketing walkthrough: data, certificates, separate services, alignment, results on disk."""
+"""The bank-marketing walkthrough: data, certificates, separate services, PSI, training, results on disk."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
+from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.files import atomic_write_text
 from parties.process import ServiceProcess
+from parties.protocol import JobStatus
 from parties.tls import TLSFiles, write_dev_pki
 
 __all__ = ["WalkthroughConfig", "run_walkthrough"]
 
 logger = logging.getLogger(__name__)
+
+#: The bank's run files the walkthrough also puts at the top of its run folder.
+RUN_FILES = ("config.json", "metrics.json", "history.csv", "test_predictions.csv", "split.csv")
 
 
 @dataclass(frozen=True)
@@ -30,70 +37,86 @@ class WalkthroughConfig:
     cache_dir: Path | None = None
     download: bool = True
     workers: int | None = None
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
-def run_walkthrough(config: WalkthroughConfig) -> dict[str, object]:
+def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[list[ServiceProcess], str]:
+    out = config.out
+    common = ["--tls-dir", str(out / "certs")]
+    if config.workers:
+        common += ["--workers", str(config.workers)]
+    partners = [n for n in paths if n != "bank"]
+    services = []
+    for i, name in enumerate(partners):
+        args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i + 1)]
+        services.append(ServiceProcess("partner", args + common, out / name / "ready.json", out / "logs" / f"{name}.log"))
+    try:
+        urls = {name: svc.wait_ready() for name, svc in zip(partners, services)}
+        bank_args = ["--name", "bank", "--data", str(paths["bank"]), "--label", "y", "--state-dir", str(out / "bank"),
+                     *[f"--partner={n}={u}" for n, u in urls.items()], *common]
+        bank = ServiceProcess("bank", bank_args, out / "bank" / "ready.json", out / "logs" / "bank.log")
+        services.append(bank)
+        return services, bank.wait_ready()
+    except BaseException:
+        for svc in services:
+            svc.stop()
+        raise
+
+
+def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
     """Run every step; return (and write to ``OUT/summary.json``) what happened."""
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=5, desc="walkthrough", unit="step")
     started = time.perf_counter()
-
-    steps.set_postfix_str("preparing per-party files")
-    paths = prepare_bank_marketing(
-        out / "data", n_partners=config.partners, seed=config.seed, rows=config.rows,
-        cache=config.cache_dir, download=config.download,
-    )
-    partners = [n for n in paths if n != "bank"]
-    steps.update()
-
-    steps.set_postfix_str("creating certificates")
-    write_dev_pki(out / "certs", {"bank": "bank", **{n: "partner" for n in partners}})
-    steps.update()
-
-    services: list[ServiceProcess] = []
-    try:
-        steps.set_postfix_str("starting services")
-        common = ["--tls-dir", str(out / "certs")]
-        if config.workers:
-            common += ["--workers", str(config.workers)]
-        urls = {}
-        for name in partners:
-            svc = ServiceProcess(
-                "partner",
-                ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / "state" / name), *common],
-                out / "state" / f"{name}.ready", out / "logs" / f"{name}.log",
-            )
-            services.append(svc)
-        for svc, name in zip(services, partners):
-            urls[name] = svc.wait_ready()
-        bank = ServiceProcess(
-            "bank",
-            ["--name", "bank", "--data", str(paths["bank"]), "--label", "y", "--state-dir", str(out / "state" / "bank"),
-             *[f"--partner={n}={u}" for n, u in urls.items()], *common],
-            out / "state" / "bank.ready", out / "logs" / "bank.log",
+    with tqdm(total=4, desc="walkthrough", unit="step", position=0) as steps:
+        steps.set_postfix_str("preparing per-party files")
+        paths = prepare_bank_marketing(
+            out / "data", n_partners=config.partners, seed=config.seed, rows=config.rows,
+            cache=config.cache_dir, download=config.download,
         )
-        services.append(bank)
-        bank_url = bank.wait_ready()
         steps.update()
-
-        steps.set_postfix_str("aligning customers (PSI)")
-        with BankOperator(bank_url, TLSFiles.from_dir(out / "certs", "bank")) as operator:
-            job = operator.start_alignment()
-            alignment = operator.wait(job, on_progress=lambda msg: steps.set_postfix_str(f"PSI: {msg}"[:60]))
+        steps.set_postfix_str("creating certificates")
+        write_dev_pki(out / "certs", {"bank": "bank", **{n: "partner" for n in paths if n != "bank"}})
         steps.update()
-    finally:
-        for svc in reversed(services):
-            svc.stop()
+        steps.set_postfix_str("starting the services")
+        services, bank_url = _start_services(config, paths)
+        steps.update()
+        try:
+            with BankOperator(bank_url, TLSFiles.from_dir(out / "certs", "bank")) as operator:
+                steps.set_postfix_str("aligning customers (PSI)")
+                alignment = operator.wait(
+                    operator.start_alignment(),
+                    on_progress=lambda job: steps.set_postfix_str(f"PSI: {job.progress}"[:60]),
+                )
+                steps.set_postfix_str("training")
+                with tqdm(total=1000, desc="training", position=1, leave=False, bar_format="{l_bar}{bar}| {postfix}") as bar:
 
-    rows = {n: sum(1 for _ in open(p)) - 1 for n, p in paths.items()}
+                    def show(job: JobStatus) -> None:
+                        bar.n = int(1000 * (job.fraction or 0))
+                        bar.set_postfix_str(job.progress[:60])
+
+                    result = operator.wait(operator.start_training(config.training), on_progress=show)
+                steps.update()
+        finally:
+            for svc in reversed(services):
+                svc.stop()
+
+    run_dir = Path(result["run_dir"])
+    for name in RUN_FILES:
+        shutil.copy(run_dir / name, out / name)
     summary = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
-        "rows_per_party": rows,
+        "rows_per_party": {n: sum(1 for _ in p.open()) - 1 for n, p in paths.items()},
         "alignment": alignment,
+        "test": result["test"],
+        "best_epoch": result["best_epoch"],
+        "epochs_run": result["epochs_run"],
+        "communication": result["communication"],
+        "bank_run_dir": str(run_dir),
+        "model_files": {
+            "bank": str(run_dir / "model"),
+            **{n: str(out / n / "models" / result["session"]) for n in paths if n != "bank"},
+        },
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    steps.update()
-    steps.close()
     return summary

@@ -9,6 +9,7 @@ import numpy as np
 
 from data.partition import SYNTHETIC_ID, bank_marketing_spec, partition, read_source_csv, write_partition
 from data.uci import BANK_MARKETING_URL, locate_bank_full
+from parties.errors import ConfigError
 
 __all__ = ["prepare_bank_marketing"]
 
@@ -30,6 +31,8 @@ def prepare_bank_marketing(
 
     ``rows`` keeps a seeded random slice of the customers, for quick runs.
     """
+    if rows is not None and rows < 1:
+        raise ConfigError(f"--rows must be at least 1, got {rows}")
     frame = read_source_csv(locate_bank_full(cache, download=download, url=url))
     if rows is not None and rows < len(frame):
         keep = np.sort(np.random.default_rng(seed).permutation(len(frame))[:rows])

@@ -54,12 +54,13 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, help="PSI worker processes (default: every core)")
     parser.add_argument("--min-intersection", type=int, default=None, help="refuse smaller intersections")
     parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
+    parser.add_argument("--torch-threads", type=int, default=None, help="intra-op threads for the model (default 1)")
     parser.add_argument("--log-level", default="INFO")
 
 
 SERVICE_FIELDS = (
     "name", "data", "id_column", "schema_file", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
-    "insecure", "state_dir", "workers", "min_intersection", "ready_file",
+    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads",
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 
 from parties.errors import PeerError
@@ -23,9 +25,15 @@ def make_client(
     headers = {}
     if tls is None and caller is not None:
         headers[CALLER_HEADER] = f"{caller.role}:{caller.name}"
+    # Without TCP_NODELAY, a request's headers and body leave in two segments and Nagle's
+    # algorithm waits for the peer's delayed ACK: ~40 ms per training step.
+    transport = httpx.HTTPTransport(
+        verify=client_ssl_context(tls) if tls is not None else True,  # plain http: nothing to verify
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+    )
     return httpx.Client(
         base_url=base_url,
-        verify=client_ssl_context(tls) if tls is not None else True,  # plain http: nothing to verify
+        transport=transport,
         headers=headers,
         timeout=httpx.Timeout(timeout, connect=10.0),
         trust_env=False,  # party traffic never goes through a proxy from the environment

@@ -7,7 +7,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from parties.errors import CutlayerError, OutOfOrder, UnknownSession
 from parties.protocol import JobStatus
@@ -16,7 +16,8 @@ __all__ = ["Job", "JobRunner", "Progress"]
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str], None]
+class Progress(Protocol):
+    def __call__(self, message: str, fraction: float | None = None) -> None: ...
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Job:
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     state: str = "pending"
     progress: str = ""
+    fraction: float | None = None
     error: str | None = None
     result: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -35,6 +37,7 @@ class Job:
             kind=self.kind,
             state=self.state,  # type: ignore[arg-type]
             progress=self.progress,
+            fraction=self.fraction,
             error=self.error,
             result=self.result,
         )
@@ -54,8 +57,10 @@ class JobRunner:
             job = Job(kind)
             self._jobs[job.job_id] = job
 
-        def say(message: str) -> None:
+        def say(message: str, fraction: float | None = None) -> None:
             job.progress = message
+            if fraction is not None:
+                job.fraction = fraction
 
         def run() -> None:
             job.state = "running"

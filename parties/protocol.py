@@ -20,6 +20,9 @@ __all__ = [
     "AlignmentInfo",
     "AlignmentRequest",
     "ErrorResponse",
+    "FinishRequest",
+    "ModelFiles",
+    "TrainSessionInfo",
     "Identity",
     "JobStatus",
     "PsiOpenRequest",
@@ -65,6 +68,7 @@ class PsiOpenResponse(Message):
 class AlignmentRequest(Message):
     partners: list[str] | None = Field(None, description="default: every configured partner")
     min_intersection: int | None = Field(None, ge=1)
+    order_seed: int = Field(0, description="seeds the shared row order (same data and seed: same order)")
 
 
 class AlignmentInfo(Message):
@@ -78,5 +82,22 @@ class JobStatus(Message):
     kind: str
     state: Literal["pending", "running", "succeeded", "failed"]
     progress: str = ""
+    fraction: float | None = None
     error: str | None = None
     result: dict[str, object] | None = None
+
+
+class TrainSessionInfo(Message):
+    session: str
+    embedding_width: int = Field(ge=1)
+
+
+class FinishRequest(Message):
+    restore_best: bool = True
+
+
+class ModelFiles(Message):
+    """What a party wrote when training finished: file names and their SHA-256, in its own folder."""
+
+    session: str
+    files: dict[str, str] = Field(default_factory=dict)

@@ -34,6 +34,11 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # uvicorn writes a response's head and body separately; without TCP_NODELAY the body
+        # waits for the client's delayed ACK (~40 ms) on every kept-alive request.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ssl_object = transport.get_extra_info("ssl_object")
         peercert = ssl_object.getpeercert() if ssl_object is not None else None
         inner = self.app

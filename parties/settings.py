@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parties.errors import ConfigError
+from parties.model import BottomConfig
 from parties.tls import Role, TLSFiles
 
 __all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "load_settings"]
@@ -40,6 +41,7 @@ class ServiceSettings(BaseSettings):
     min_intersection: int = Field(1, ge=1)
     max_body_bytes: int = Field(64 << 20, ge=1024)
     ready_file: Path | None = None
+    torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
 
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:
@@ -61,15 +63,25 @@ class ServiceSettings(BaseSettings):
         raise ValueError("TLS is required: give --tls-dir (or --tls-ca/--tls-cert/--tls-key), or --insecure")
 
     @property
-    def cache_dir(self) -> Path | None:
-        return self.state_dir / "psi-cache" if self.state_dir is not None else None
+    def state_path(self) -> Path:
+        """Where this party keeps caches, models and runs: ``--state-dir``, else ``./cutlayer-state/<name>``."""
+        return self.state_dir if self.state_dir is not None else Path("cutlayer-state") / self.name
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.state_path / "psi-cache"
 
 
 class PartnerSettings(ServiceSettings):
     """A passive party: it holds features, no labels, and answers the bank."""
 
-    model_config = SettingsConfigDict(env_prefix="CUTLAYER_PARTNER_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="CUTLAYER_PARTNER_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
     role: ClassVar[Role] = "partner"
+
+    bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
+    max_training_sessions: int = Field(2, ge=1)
 
     psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
     max_psi_sessions: int = Field(4, ge=1)

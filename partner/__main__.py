@@ -6,8 +6,11 @@ import argparse
 import logging
 import sys
 
+import torch
+
 from parties.cli import add_service_arguments, configure_logging, run_cli, service_values
 from parties.dataset import load_party_table
+from parties.model import BottomConfig
 from parties.server import serve
 from parties.settings import PartnerSettings, load_settings
 from partner.service import create_app
@@ -20,10 +23,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the partner's endpoints")
     add_service_arguments(s)
+    b = s.add_argument_group("this partner's own bottom model")
+    b.add_argument("--hidden", default=None, help="hidden layer widths, comma-separated (default 64)")
+    b.add_argument("--cut-width", type=int, default=None, help="embedding width sent to the bank (default 16)")
+    b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
+    b.add_argument("--optimizer", choices=["adam", "sgd"], default=None)
+    b.add_argument("--seed", type=int, default=None, help="initialisation seed (default 0)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    settings = load_settings(PartnerSettings, **service_values(args))
+    bottom = {
+        "hidden": tuple(int(h) for h in args.hidden.split(",") if h) if args.hidden is not None else None,
+        "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
+    }
+    bottom = {k: v for k, v in bottom.items() if v is not None}
+    settings = load_settings(PartnerSettings, **service_values(args), bottom=BottomConfig(**bottom) if bottom else None)
     assert isinstance(settings, PartnerSettings)
+    torch.set_num_threads(settings.torch_threads)
     if settings.insecure:
         logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
     table = load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)

@@ -1,4 +1,4 @@
-"""The partner's side of alignment, without HTTP: PSI sessions and the committed alignment."""
+"""The partner, without HTTP: PSI sessions, the committed alignment, and training sessions."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage, OutOfOrder, UnknownSession
-from parties.protocol import AlignmentInfo, PsiOpenRequest, PsiOpenResponse
+from parties.protocol import AlignmentInfo, ModelFiles, PsiOpenRequest, PsiOpenResponse, TrainSessionInfo
+from parties.session import PartySession
 from parties.settings import PartnerSettings
 
 __all__ = ["PartnerCore"]
@@ -38,6 +40,7 @@ class PartnerCore:
         self._sessions: dict[str, PsiResponder] = {}
         self._lock = threading.Lock()
         self.alignment: AlignedRows | None = None
+        self._training: dict[str, PartySession] = {}
 
     def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
         with self._lock:
@@ -76,6 +79,46 @@ class PartnerCore:
             self._sessions.pop(session_id, None)
         logger.info("alignment %s committed: %d rows", alignment_id, len(rows))
         return AlignmentInfo(alignment_id=alignment_id, rows=len(rows))
+
+    # --- training -------------------------------------------------------------------------
+
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> TrainSessionInfo:
+        if not session_id or len(session_id) > 64:
+            raise BadMessage("a session id is 1 to 64 characters")
+        if self.alignment is None:
+            raise OutOfOrder("no alignment yet: align before training")
+        if alignment_id != self.alignment.alignment_id:
+            raise OutOfOrder(f"alignment {alignment_id} is not this partner's current alignment")
+        with self._lock:
+            if session_id in self._training:
+                raise OutOfOrder(f"training session {session_id} already exists")
+            if len(self._training) >= self.settings.max_training_sessions:
+                raise OutOfOrder("too many training sessions are open; finish or abort one first")
+        session = PartySession(session_id, self.table, self.alignment, train_positions, self.settings.bottom)
+        with self._lock:
+            self._training[session_id] = session
+        return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
+
+    def training(self, session_id: str) -> PartySession:
+        with self._lock:
+            session = self._training.get(session_id)
+        if session is None:
+            raise UnknownSession(f"no training session {session_id}")
+        session.last_used = time.monotonic()
+        return session
+
+    def finish_training(self, session_id: str, restore_best: bool) -> ModelFiles:
+        session = self.training(session_id)
+        if restore_best:
+            session.trainer.restore_best()
+        files = session.save(self.settings.state_path / "models" / session_id)
+        logger.info("training session %s finished; model written", session_id)
+        return ModelFiles(session=session_id, files=files)
+
+    def end_training(self, session_id: str) -> None:
+        with self._lock:
+            if self._training.pop(session_id, None) is not None:
+                logger.info("training session %s ended", session_id)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -7,13 +7,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import numpy as np
+import torch
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from parties.app import create_party_app, read_body, require_role, require_self
 from parties.dataset import PartyTable, load_party_table
 from parties.errors import BadMessage, OutOfOrder
-from parties.protocol import ALIGNMENT_HEADER, DIGEST_HEADER, OCTET_STREAM, AlignmentInfo, PsiOpenRequest, PsiOpenResponse
+from parties.protocol import (
+    ALIGNMENT_HEADER,
+    DIGEST_HEADER,
+    OCTET_STREAM,
+    AlignmentInfo,
+    FinishRequest,
+    ModelFiles,
+    PsiOpenRequest,
+    PsiOpenResponse,
+    TrainSessionInfo,
+)
+from parties.wire import SAFETENSORS, WireMessage, decode, encode
 from parties.settings import PartnerSettings
 from partner.core import WAIT_SECONDS, PartnerCore
 
@@ -23,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 bank_only = Depends(require_role("bank"))
 psi = APIRouter(prefix="/psi/sessions", dependencies=[bank_only], tags=["alignment"])
+train = APIRouter(prefix="/train/sessions", dependencies=[bank_only], tags=["training"])
 admin = APIRouter(prefix="/admin", dependencies=[Depends(require_self)], tags=["operator"])
 
 
@@ -91,6 +104,63 @@ async def abort(session_id: str, c: PartnerCore = Depends(core)) -> Response:
     return Response(status_code=204)
 
 
+async def _message(request: Request, c: PartnerCore, allowed: dict[str, torch.dtype], session: str | None) -> WireMessage:
+    message = decode(await read_body(request, c.settings.max_body_bytes), allowed)
+    if session is not None and message.meta.get("session") != session:
+        raise BadMessage("the message names another session than the URL")
+    return message
+
+
+def _tensors(tensors: dict[str, torch.Tensor], **meta: object) -> Response:
+    return Response(content=encode(tensors, **meta), media_type=SAFETENSORS)
+
+
+@train.post("", response_model=TrainSessionInfo)
+async def start_training(request: Request, c: PartnerCore = Depends(core)) -> TrainSessionInfo:
+    message = await _message(request, c, {"train_rows": torch.int64}, None)
+    rows = message.get("train_rows")
+    if rows is None:
+        raise BadMessage("the message carries no train_rows")
+    session, alignment = message.meta.get("session", ""), message.meta.get("alignment", "")
+    return await run_in_threadpool(c.start_training, session, alignment, rows)
+
+
+@train.post("/{session_id}/step")
+async def step(session_id: str, request: Request, c: PartnerCore = Depends(core)) -> Response:
+    message = await _message(request, c, {"grad": torch.float32, "rows": torch.int64}, session_id)
+    number = message.int_meta("step")
+    # A step is a small MLP's forward and backward: cheaper inline than a hop to the thread pool.
+    z = c.training(session_id).trainer.step(number, message.get("grad"), message.get("rows"))
+    return _tensors({} if z is None else {"embedding": z}, session=session_id, step=number)
+
+
+@train.post("/{session_id}/embed")
+async def embed(session_id: str, request: Request, c: PartnerCore = Depends(core)) -> Response:
+    message = await _message(request, c, {"rows": torch.int64}, session_id)
+    rows = message.get("rows")
+    if rows is None:
+        raise BadMessage("the message carries no rows")
+    z = await run_in_threadpool(c.training(session_id).trainer.embed, rows)
+    return _tensors({"embedding": z}, session=session_id)
+
+
+@train.post("/{session_id}/best", status_code=204)
+async def mark_best(session_id: str, c: PartnerCore = Depends(core)) -> Response:
+    c.training(session_id).trainer.mark_best()
+    return Response(status_code=204)
+
+
+@train.post("/{session_id}/finish", response_model=ModelFiles)
+async def finish(session_id: str, body: FinishRequest, c: PartnerCore = Depends(core)) -> ModelFiles:
+    return await run_in_threadpool(c.finish_training, session_id, body.restore_best)
+
+
+@train.delete("/{session_id}", status_code=204)
+async def end_training(session_id: str, c: PartnerCore = Depends(core)) -> Response:
+    c.end_training(session_id)
+    return Response(status_code=204)
+
+
 @admin.get("/alignment", response_model=AlignmentInfo)
 async def alignment(c: PartnerCore = Depends(core)) -> AlignmentInfo:
     if c.alignment is None:
@@ -110,4 +180,4 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
         finally:
             app.state.core.close()
 
-    return create_party_app(settings, lifespan=lifespan, routers=[psi, admin])
+    return create_party_app(settings, lifespan=lifespan, routers=[psi, train, admin])

@@ -228,11 +228,11 @@ def test_insecure_mode_works_but_only_with_a_declared_caller(write_csv, start_pa
     from parties.settings import BankSettings, PartnerSettings
     from partner.service import create_app as create_partner_app
 
-    p_settings = PartnerSettings(name="partner", data=write_csv("p.csv", customer_id=["a", "b", "c"], x=list("123")), insecure=True, workers=1)
+    p_settings = PartnerSettings(name="partner", data=write_csv("p.csv", customer_id=["a", "b", "c"], x=list("123")), insecure=True, workers=1, state_dir=tmp_path / "p")
     with running_server(create_partner_app(p_settings), None) as partner:
         b_settings = BankSettings(
             name="bank", data=write_csv("b.csv", customer_id=["b", "c", "d"], z=list("123"), y=list("011")),
-            insecure=True, partners={"partner": partner.url}, workers=1,
+            insecure=True, partners={"partner": partner.url}, workers=1, state_dir=tmp_path / "b",
         )
         with running_server(create_bank_app(b_settings), None) as bank:
             with BankOperator(bank.url, None) as op:

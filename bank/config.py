@@ -1,0 +1,43 @@
+"""The bank's training configuration: what the operator chooses for one training run."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bank.aggregation import AggregationName
+from bank.task import TaskKind
+from parties.model import BottomConfig, OptimizerConfig
+
+__all__ = ["TopConfig", "TrainingConfig"]
+
+
+class TopConfig(OptimizerConfig):
+    hidden: tuple[int, ...] = (32,)
+    seed: int = 1
+
+
+class TrainingConfig(BaseModel):
+    """Defaults are the walkthrough's: they reach the quality bar on bank-full."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: TaskKind = "binary"
+    positive_label: str | None = None
+    aggregation: AggregationName = "concat"
+    bank_bottom: BottomConfig = BottomConfig()
+    top: TopConfig = TopConfig()
+    epochs: int = Field(30, ge=1, le=10_000)
+    batch_size: int = Field(256, ge=1, le=1 << 16)
+    eval_batch_size: int = Field(8192, ge=1, le=1 << 16)
+    patience: int = Field(5, ge=1, description="epochs without a better validation score before stopping")
+    val_fraction: float = Field(0.1, gt=0, lt=0.5)
+    test_fraction: float = Field(0.1, gt=0, lt=0.5)
+    seed: int = 0
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests, smoke runs)")
+    partners: list[str] | None = Field(None, description="default: every configured partner")
+
+    @model_validator(mode="after")
+    def _fractions(self) -> TrainingConfig:
+        if self.val_fraction + self.test_fraction >= 0.8:
+            raise ValueError("validation and test fractions leave too few training rows")
+        return self

@@ -1,0 +1,80 @@
+"""A training run's files at the bank: config, metrics, history, predictions and the bank's own model.
+
+Every file is plain JSON, CSV or safetensors, written atomically, so a notebook
+or a script can read a run without Cutlayer's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import save as save_tensors
+
+from bank.config import TrainingConfig
+from bank.task import Task
+from bank.trainer import TrainingOutcome
+from parties.files import atomic_write_bytes, atomic_write_text
+
+__all__ = ["write_run"]
+
+
+def _json(path: Path, value: Any) -> None:
+    atomic_write_text(path, json.dumps(value, indent=2, default=str) + "\n")
+
+
+def write_run(
+    run_dir: Path,
+    *,
+    config: TrainingConfig,
+    task: Task,
+    outcome: TrainingOutcome,
+    top: torch.nn.Module,
+    targets: torch.Tensor,
+    communication: dict[str, dict[str, float]],
+    party_files: dict[str, dict[str, str]],
+    alignment_id: str,
+) -> dict[str, Any]:
+    """Write the run folder; return the metrics document."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _json(run_dir / "config.json", {"session": outcome.session_id, "alignment_id": alignment_id, **config.model_dump()})
+    pd.DataFrame(outcome.history).to_csv(run_dir / "history.csv", index=False)
+    test = outcome.split.test
+    predictions = pd.DataFrame({"position": test, "target": targets[torch.from_numpy(test)].numpy()})
+    scores = outcome.test_scores
+    if scores.ndim == 1:
+        predictions["score"] = scores
+    else:
+        for i, c in enumerate(task.classes_):
+            predictions[f"score_{c}"] = scores[:, i]
+    predictions.to_csv(run_dir / "test_predictions.csv", index=False)
+    splits = {"train": outcome.split.train, "val": outcome.split.val, "test": outcome.split.test}
+    pd.DataFrame(
+        {"position": np.concatenate(list(splits.values())),
+         "split": np.concatenate([[k] * len(v) for k, v in splits.items()])}
+    ).sort_values("position").to_csv(run_dir / "split.csv", index=False)
+    top_blob = save_tensors({k: v.contiguous() for k, v in top.state_dict().items()}, metadata={"session": outcome.session_id})
+    atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
+    _json(run_dir / "model" / "task.json", {"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label})
+    party_files = {**party_files, "bank-top": {"top.safetensors": hashlib.sha256(top_blob).hexdigest()}}
+    metrics = {
+        "session": outcome.session_id,
+        "alignment_id": alignment_id,
+        "task": task.kind,
+        "rows": {k: int(len(v)) for k, v in splits.items()},
+        "test": outcome.test_metrics,
+        "best_epoch": outcome.best_epoch,
+        "epochs_run": len(outcome.history),
+        "steps": outcome.steps,
+        "embedding_widths": outcome.widths,
+        "communication": communication,
+        "timings": outcome.timings,
+        "model_files": party_files,
+    }
+    _json(run_dir / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,113 @@
+"""What is learned: labels to targets, the loss, and the metrics. Binary is one case, not an assumption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from sklearn import metrics as skm
+
+from parties.errors import ConfigError, DataError
+
+__all__ = ["Task", "TaskKind"]
+
+TaskKind = Literal["binary", "multiclass", "regression"]
+
+
+@dataclass
+class Task:
+    kind: TaskKind = "binary"
+    positive_label: str | None = None  # binary: the label value that counts as 1
+    classes_: list[str] = field(default_factory=list)
+
+    def fit(self, labels: pd.Series) -> Task:
+        """Learn the label vocabulary (classification) from the bank's own labels."""
+        if self.kind == "regression":
+            return self
+        values = sorted(labels.astype(str).str.strip().unique().tolist())
+        if self.kind == "binary":
+            if len(values) != 2:
+                raise DataError(f"binary task: the label column has {len(values)} distinct values, expected 2")
+            positive = self.positive_label or ("yes" if "yes" in values else values[1])
+            if positive not in values:
+                raise ConfigError(f"positive label {positive!r} is not one of the label values {values}")
+            self.positive_label = positive
+            self.classes_ = [v for v in values if v != positive] + [positive]
+        else:
+            if len(values) < 2:
+                raise DataError("multiclass task: the label column has fewer than 2 values")
+            self.classes_ = values
+        return self
+
+    @property
+    def output_dim(self) -> int:
+        return len(self.classes_) if self.kind == "multiclass" else 1
+
+    def targets(self, labels: pd.Series) -> torch.Tensor:
+        if self.kind == "regression":
+            values = pd.to_numeric(labels, errors="coerce")
+            if values.isna().any():
+                raise DataError("regression task: a label is not a number")
+            return torch.tensor(values.to_numpy(dtype=np.float32))
+        index = {c: i for i, c in enumerate(self.classes_)}
+        codes = [index.get(v) for v in labels.astype(str).str.strip()]
+        if any(c is None for c in codes):
+            raise DataError("a label value was not seen when the task was fitted")
+        if self.kind == "binary":
+            return torch.tensor(codes, dtype=torch.float32)
+        return torch.tensor(codes, dtype=torch.int64)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.kind == "binary":
+            return F.binary_cross_entropy_with_logits(outputs.squeeze(1), targets)
+        if self.kind == "multiclass":
+            return F.cross_entropy(outputs, targets)
+        return F.mse_loss(outputs.squeeze(1), targets)
+
+    def scores(self, outputs: torch.Tensor) -> np.ndarray:
+        """Probabilities of the positive class / of each class; predictions for regression."""
+        if self.kind == "binary":
+            return torch.sigmoid(outputs.squeeze(1)).numpy()
+        if self.kind == "multiclass":
+            return torch.softmax(outputs, dim=1).numpy()
+        return outputs.squeeze(1).numpy()
+
+    def metrics(self, targets: torch.Tensor, scores: np.ndarray) -> dict[str, float]:
+        y = targets.numpy()
+        if self.kind == "binary":
+            predicted = (scores >= 0.5).astype(int)
+            clipped = np.clip(scores, 1e-7, 1 - 1e-7)
+            return {
+                "roc_auc": float(skm.roc_auc_score(y, scores)),
+                "pr_auc": float(skm.average_precision_score(y, scores)),
+                "accuracy": float(skm.accuracy_score(y, predicted)),
+                "log_loss": float(skm.log_loss(y, clipped, labels=[0, 1])),
+                "f1": float(skm.f1_score(y, predicted, zero_division=0)),
+            }
+        if self.kind == "multiclass":
+            predicted = scores.argmax(axis=1)
+            return {
+                "accuracy": float(skm.accuracy_score(y, predicted)),
+                "log_loss": float(skm.log_loss(y, scores, labels=list(range(len(self.classes_))))),
+                "f1_macro": float(skm.f1_score(y, predicted, average="macro", zero_division=0)),
+            }
+        return {
+            "mse": float(skm.mean_squared_error(y, scores)),
+            "mae": float(skm.mean_absolute_error(y, scores)),
+            "r2": float(skm.r2_score(y, scores)),
+        }
+
+    @property
+    def objective(self) -> tuple[str, Literal["max", "min"]]:
+        """The validation metric early stopping follows, and which way is better."""
+        return {"binary": ("roc_auc", "max"), "multiclass": ("log_loss", "min"), "regression": ("mse", "min")}[
+            self.kind
+        ]
+
+    @property
+    def stratify(self) -> bool:
+        return self.kind != "regression"

@@ -1,0 +1,124 @@
+"""A party's bottom model in training: the step protocol's state machine, without transport.
+
+Step ``t`` carries the gradient for step ``t-1``'s embedding (if there was
+one) and the rows of batch ``t`` (absent in the final flush). The party first
+applies the gradient, then embeds batch ``t`` with the updated weights, which
+is exactly what the unsplit model does between two optimiser steps.
+
+Every request is fully validated before anything changes: a refused request
+leaves the weights, the optimiser and the step counter as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from parties.errors import BadMessage, OutOfOrder
+from parties.model import BottomConfig, build_bottom, build_optimizer
+
+__all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_ROWS = 1 << 16
+
+
+class BottomTrainer:
+    """One training session of one party's bottom model over its encoded, aligned rows."""
+
+    def __init__(self, features: np.ndarray, config: BottomConfig) -> None:
+        self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        self.config = config
+        self.model = build_bottom(self.x.shape[1], config)
+        self.optimizer = build_optimizer(self.model.parameters(), config)
+        self.next_step = 0
+        self._pending: torch.Tensor | None = None
+        self._pending_rows = 0
+        self._best: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self.releases = 0  # embedding rows released (training and evaluation)
+
+    @property
+    def width(self) -> int:
+        return self.config.cut_width
+
+    @property
+    def n_rows(self) -> int:
+        return self.x.shape[0]
+
+    def _check_rows(self, rows: torch.Tensor | None) -> None:
+        if rows is None:
+            return
+        if rows.dtype != torch.int64 or rows.dim() != 1:
+            raise BadMessage("rows must be a 1-D int64 tensor")
+        if not 0 < rows.numel() <= MAX_BATCH_ROWS:
+            raise BadMessage(f"a batch holds 1 to {MAX_BATCH_ROWS} rows, got {rows.numel()}")
+        if int(rows.min()) < 0 or int(rows.max()) >= self.n_rows:
+            raise BadMessage(f"rows must lie in [0, {self.n_rows})")
+
+    def _check_grad(self, grad: torch.Tensor | None) -> None:
+        if self._pending is None:
+            if grad is not None:
+                raise BadMessage("a gradient arrived but no embedding is awaiting one")
+            return
+        if grad is None:
+            raise BadMessage(f"step {self.next_step} must carry the gradient of step {self.next_step - 1}")
+        expected = (self._pending_rows, self.width)
+        if tuple(grad.shape) != expected:
+            raise BadMessage(f"gradient shape {tuple(grad.shape)}; expected {expected}")
+        if grad.dtype != torch.float32:
+            raise BadMessage(f"gradient dtype {grad.dtype}; expected torch.float32")
+        if not bool(torch.isfinite(grad).all()):
+            raise BadMessage("the gradient holds NaN or infinite values")
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Apply ``grad`` to the pending embedding, then embed ``rows``; return the embedding."""
+        with self._lock:
+            if step != self.next_step:
+                raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
+            self._check_grad(grad)
+            self._check_rows(rows)
+            if self._pending is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self._pending.backward(grad)
+                self.optimizer.step()
+                self._pending = None
+            out = None
+            if rows is not None:
+                self.model.train()
+                z = self.model(self.x[rows])
+                self._pending, self._pending_rows = z, rows.numel()
+                self.releases += rows.numel()
+                out = z.detach()
+            self.next_step = step + 1
+            return out
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embeddings for evaluation: no graph kept, no state changed."""
+        self._check_rows(rows)
+        with self._lock, torch.no_grad():
+            self.model.eval()
+            z = self.model(self.x[rows])
+            self.model.train()
+            self.releases += rows.numel()
+            return z
+
+    def mark_best(self) -> None:
+        """Remember the current weights as the best so far (the bank judges by validation)."""
+        with self._lock:
+            if self._pending is not None:
+                raise OutOfOrder("flush the pending gradient before marking the best weights")
+            self._best = copy.deepcopy(self.model.state_dict())
+
+    def restore_best(self) -> bool:
+        with self._lock:
+            if self._best is None:
+                return False
+            self.model.load_state_dict(self._best)
+            return True

@@ -1,0 +1,66 @@
+"""One party's side of a training session: encoder fitted on its own training rows, bottom model, files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save as save_tensors
+
+from parties.bottom import BottomTrainer
+from parties.dataset import AlignedRows, PartyTable
+from parties.errors import BadMessage
+from parties.features import TabularEncoder
+from parties.files import atomic_write_bytes, atomic_write_text
+from parties.model import BottomConfig
+
+__all__ = ["PartySession"]
+
+logger = logging.getLogger(__name__)
+
+
+class PartySession:
+    """Created when the bank starts training; owns this party's encoder and bottom trainer."""
+
+    def __init__(
+        self,
+        session_id: str,
+        table: PartyTable,
+        alignment: AlignedRows,
+        train_positions: torch.Tensor,
+        config: BottomConfig,
+    ) -> None:
+        n = len(alignment)
+        if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
+            raise BadMessage("train_rows must be a non-empty 1-D int64 tensor")
+        positions = train_positions.numpy()
+        if positions.min() < 0 or positions.max() >= n or len(np.unique(positions)) != len(positions):
+            raise BadMessage(f"train_rows must be distinct positions in [0, {n})")
+        self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
+        aligned = table.features.iloc[alignment.rows]
+        self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
+        self.trainer = BottomTrainer(self.encoder.transform(aligned), config)
+        self.last_used = time.monotonic()
+        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
+                    session_id, n, self.encoder.width, config.cut_width)
+
+    def save(self, directory: Path) -> dict[str, str]:
+        """Write this party's own model files; return ``{file name: sha256}``."""
+        blobs = {
+            "bottom.safetensors": save_tensors(
+                {k: v.contiguous() for k, v in self.trainer.model.state_dict().items()},
+                metadata={"session": self.session_id, "alignment": self.alignment_id},
+            ),
+            "encoder.json": json.dumps(self.encoder.to_dict(), indent=2).encode(),
+            "bottom-config.json": self.config.model_dump_json(indent=2).encode(),
+        }
+        for name, data in blobs.items():
+            atomic_write_bytes(Path(directory) / name, data)
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+        atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        return digests

@@ -1,0 +1,80 @@
+"""The one binary format for tensors on the wire: safetensors, with string metadata.
+
+A message is a safetensors blob: an 8-byte header length, a JSON header
+(shapes, dtypes, offsets and a ``__metadata__`` map of strings), then the raw
+little-endian tensor bytes. No code and no pickle: a malformed body is a
+``BadMessage``, never an exception from deep inside a parser.
+
+Every message's metadata carries the schema version; training messages also
+carry the session and the step.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as _load
+from safetensors.torch import save as _save
+
+from parties.errors import BadMessage
+from parties.protocol import SCHEMA_VERSION
+
+__all__ = ["SAFETENSORS", "WireMessage", "decode", "encode"]
+
+SAFETENSORS = "application/vnd.cutlayer.safetensors"
+_MAX_HEADER = 1 << 16
+
+
+@dataclass(frozen=True)
+class WireMessage:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+    def int_meta(self, key: str) -> int:
+        try:
+            return int(self.meta[key])
+        except KeyError as exc:
+            raise BadMessage(f"the message has no {key!r}") from exc
+        except ValueError as exc:
+            raise BadMessage(f"{key!r} is not an integer") from exc
+
+
+def encode(tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
+    """Serialise tensors (made contiguous, on the CPU) and metadata into one body."""
+    strings = {k: str(v) for k, v in meta.items()}
+    strings["schema_version"] = str(SCHEMA_VERSION)
+    return _save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=strings)
+
+
+def decode(body: bytes, allowed: dict[str, torch.dtype]) -> WireMessage:
+    """Parse a body, accepting only the named tensors with their dtypes; check the schema version."""
+    if len(body) < 8:
+        raise BadMessage("the body is not a safetensors message")
+    (header_len,) = struct.unpack("<Q", body[:8])
+    if header_len > _MAX_HEADER or 8 + header_len > len(body):
+        raise BadMessage("the message header is too large or truncated")
+    try:
+        header = json.loads(body[8 : 8 + header_len])
+        tensors = _load(body)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise BadMessage(f"the body is not a valid safetensors message ({exc})") from exc
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadMessage("message metadata must map strings to strings")
+    if meta.get("schema_version") != str(SCHEMA_VERSION):
+        raise BadMessage(f"schema version {meta.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
+    for name, tensor in tensors.items():
+        if name not in allowed:
+            raise BadMessage(f"unexpected tensor {name!r}")
+        if tensor.dtype != allowed[name]:
+            raise BadMessage(f"tensor {name!r} is {tensor.dtype}; expected {allowed[name]}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise BadMessage(f"tensor {name!r} holds NaN or infinite values")
+    return WireMessage(tensors, meta)
