@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--log-level", default="WARNING")
 
+    b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
+    b.add_argument("--epochs", type=int, default=3)
+    b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
+    b.add_argument("--cache-dir", type=Path, default=None)
+    b.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    b.add_argument("--log-level", default="WARNING")
+
     w = sub.add_parser("walkthrough", help="run the bank-marketing walkthrough end to end")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
     w.add_argument("--partners", type=int, default=1)
@@ -98,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
         table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+        return 0
+    if args.command == "bench":
+        from bank.bench import bench_json, format_bench, run_training_bench
+
+        torch.set_num_threads(torch.get_num_threads())
+        figures = run_training_bench(args.epochs, args.rows, args.cache_dir)
+        print(format_bench(figures))
+        if args.json:
+            args.json.write_text(bench_json(figures) + "\n")
         return 0
     if args.command in ("align", "train"):
         if args.tls_dir is None and not args.insecure:

@@ -26,14 +26,15 @@ class TrainingConfig(BaseModel):
     aggregation: AggregationName = "concat"
     bank_bottom: BottomConfig = BottomConfig()
     top: TopConfig = TopConfig()
-    epochs: int = Field(30, ge=1, le=10_000)
-    batch_size: int = Field(256, ge=1, le=1 << 16)
+    epochs: int = Field(40, ge=1, le=10_000)
+    batch_size: int = Field(1024, ge=1, le=1 << 16)
     eval_batch_size: int = Field(8192, ge=1, le=1 << 16)
-    patience: int = Field(5, ge=1, description="epochs without a better validation score before stopping")
+    patience: int = Field(6, ge=1, description="epochs without a better validation score before stopping")
     val_fraction: float = Field(0.1, gt=0, lt=0.5)
     test_fraction: float = Field(0.1, gt=0, lt=0.5)
     seed: int = 0
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests, smoke runs)")
+    restore_best: bool = Field(True, description="end with the weights of the best validation epoch")
     partners: list[str] | None = Field(None, description="default: every configured partner")
 
     @model_validator(mode="after")

@@ -11,17 +11,41 @@ from bank.config import TrainingConfig
 from bank.proxy import HttpPartner, InProcessParty
 from bank.results import write_run
 from bank.task import Task
-from bank.trainer import Coordinator
-from parties.client import client_for
+from bank.trainer import Coordinator, TrainingOutcome
+from parties.client import client_for, make_channel
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import ConfigError, OutOfOrder
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest
 from parties.settings import BankSettings
+from parties.tls import PeerIdentity
 
 __all__ = ["BankCore"]
 
 logger = logging.getLogger(__name__)
+
+
+def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome: TrainingOutcome) -> dict[str, float]:
+    """Bytes (HTTP bodies) and round trips with one partner, next to the theoretical minimum.
+
+    The minimum is what must cross at float32: each training row's embedding
+    and its gradient, and each evaluation row's embedding.
+    """
+    total = partner.bytes_sent + partner.bytes_received
+    minimum = 4 * partner.width * (2 * coordinator.train_rows_sent + coordinator.eval_rows_sent)
+    steps, epochs = max(outcome.steps, 1), max(len(outcome.history), 1)
+    return {
+        "round_trips": partner.round_trips,
+        "bytes_sent": partner.bytes_sent,
+        "bytes_received": partner.bytes_received,
+        "bytes_total": total,
+        "minimum_bytes_total": minimum,
+        "bytes_per_step": total / steps,
+        "minimum_bytes_per_step": minimum / steps,
+        "bytes_per_epoch": total / epochs,
+        "minimum_bytes_per_epoch": minimum / epochs,
+        "overhead_ratio": total / minimum if minimum else float("nan"),
+    }
 
 
 class BankCore:
@@ -76,8 +100,15 @@ class BankCore:
         targets = task.targets(labels)
         urls = self.partners(config.partners)
         runs = self.settings.state_path / "runs"
+        me = PeerIdentity(self.settings.name, "bank")
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
-            partners = [HttpPartner(name, url, client) for name, url in urls.items()]
+            partners = [
+                HttpPartner(name, url, client, channel=make_channel(
+                    self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
+                    timeout=self.settings.peer_timeout,
+                ))
+                for name, url in urls.items()
+            ]
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
                 model_dir=lambda session: runs / session / "model" / "bank",
@@ -88,17 +119,7 @@ class BankCore:
             )
             progress("starting the parties' sessions", 0.0)
             outcome = coordinator.run()
-        steps = max(outcome.steps, 1)
-        communication = {
-            p.name: {
-                "round_trips": p.round_trips,
-                "bytes_sent": p.bytes_sent,
-                "bytes_received": p.bytes_received,
-                "bytes_per_step": (p.bytes_sent + p.bytes_received) / steps,
-                "minimum_bytes_per_step": 2 * 4 * p.width * config.batch_size,
-            }
-            for p in partners
-        }
+        communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
         files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
         run_dir = runs / outcome.session_id
         assert coordinator.top is not None

@@ -9,18 +9,20 @@ same contract tests run against both.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import httpx
 import numpy as np
 import torch
 
 from alignment.session import SessionInfo
+from parties.channel import Channel
 from parties.client import expect_server
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import AlignmentMismatch, BadMessage, IntersectionTooSmall, NotReady, PeerError
@@ -49,7 +51,15 @@ class TrainingParty(Protocol):
         """Fit the party's encoder on its training rows and build its bottom; returns the embedding width."""
         ...
 
-    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None: ...
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Apply ``grad`` to the previous step's embedding, then embed ``rows`` (``None``: the final flush)."""
+        ...
+
+    def submit_step(
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> Callable[[], torch.Tensor | None]:
+        """Start ``step``; the returned function finishes it. The bank computes in between."""
+        ...
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor: ...
 
@@ -94,6 +104,11 @@ class InProcessParty:
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         return self._live().trainer.step(step, grad, rows)
 
+    def submit_step(
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> Callable[[], torch.Tensor | None]:
+        return lambda: self.step(step, grad, rows)
+
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         return self._live().trainer.embed(rows)
 
@@ -120,8 +135,16 @@ _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch":
 class HttpPartner:
     """A partner service reached over (mutual-TLS) HTTP."""
 
-    def __init__(self, name: str, url: str, client: httpx.Client, *, wait_deadline: float = 600.0) -> None:
-        self.name, self.url, self.client = name, url.rstrip("/"), client
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        client: httpx.Client,
+        *,
+        channel: Channel | None = None,
+        wait_deadline: float = 600.0,
+    ) -> None:
+        self.name, self.url, self.client, self.channel = name, url.rstrip("/"), client, channel
         self.wait_deadline = wait_deadline
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -137,17 +160,20 @@ class HttpPartner:
         self.bytes_sent += len(response.request.content or b"")
         self.bytes_received += len(response.content)
         self.round_trips += 1
-        if response.is_success:
-            return response
+        if not response.is_success:
+            self._refused(response.status_code, response.content, what)
+        return response
+
+    def _refused(self, status: int, content: bytes, what: str) -> NoReturn:
         try:
-            body = response.json()
+            body = json.loads(content)
             kind, detail = str(body.get("error")), str(body.get("detail"))
-        except ValueError:
-            kind, detail = "", response.text[:200]
+        except (ValueError, AttributeError):
+            kind, detail = "", content[:200].decode(errors="replace")
         if kind == "NotReady":
             raise NotReady(detail)
         error = _PASSED_ON.get(kind, PeerError)
-        raise error(f"partner {self.name!r} refused {what} (HTTP {response.status_code}): {detail}")
+        raise error(f"partner {self.name!r} refused {what} (HTTP {status}): {detail}")
 
     def _get_when_ready(self, path: str, what: str) -> bytes:
         deadline = time.monotonic() + self.wait_deadline
@@ -195,13 +221,37 @@ class HttpPartner:
 
     # --- training -------------------------------------------------------------------------
 
-    def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> httpx.Response:
-        return self._call(
-            "POST", path, what, content=encode(tensors, **meta), headers={"content-type": SAFETENSORS}
-        )
+    def _send_tensors(
+        self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
+    ) -> Callable[[], bytes]:
+        body = encode(tensors, **meta)
+        if self.channel is None:
+            content = self._call("POST", path, what, content=body, headers={"content-type": SAFETENSORS}).content
+            return lambda: content
+        try:
+            receive = self.channel.send(path, body, SAFETENSORS)
+        except PeerError as exc:
+            raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
 
-    def _embedding(self, response: httpx.Response, rows: int, what: str) -> torch.Tensor:
-        message = decode(response.content, {"embedding": torch.float32})
+        def finish() -> bytes:
+            try:
+                response = receive()
+            except PeerError as exc:
+                raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
+            self.round_trips += 1
+            self.bytes_sent += len(body)
+            self.bytes_received += len(response.content)
+            if not response.is_success:
+                self._refused(response.status, response.content, what)
+            return response.content
+
+        return finish
+
+    def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
+        return self._send_tensors(path, what, tensors, **meta)()
+
+    def _embedding(self, content: bytes, rows: int, what: str) -> torch.Tensor:
+        message = decode(content, {"embedding": torch.float32})
         z = message.get("embedding")
         if z is None or tuple(z.shape) != (rows, self.width):
             shape = None if z is None else tuple(z.shape)
@@ -209,9 +259,10 @@ class HttpPartner:
         return z
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
-        response = self._post_tensors(
-            "/train/sessions", "starting training", {"train_rows": train_positions},
-            session=session_id, alignment=alignment_id,
+        response = self._call(
+            "POST", "/train/sessions", "starting training",
+            content=encode({"train_rows": train_positions}, session=session_id, alignment=alignment_id),
+            headers={"content-type": SAFETENSORS},
         )
         expect_server(response, self.name, "partner")
         info = TrainSessionInfo.model_validate(response.json())
@@ -219,13 +270,21 @@ class HttpPartner:
         return info.embedding_width
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        return self.submit_step(step, grad, rows)()
+
+    def submit_step(
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> Callable[[], torch.Tensor | None]:
         tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
-        response = self._post_tensors(
+        finish = self._send_tensors(
             f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, session=self.session_id, step=step
         )
-        if rows is None:
-            return None
-        return self._embedding(response, rows.numel(), f"the embedding of step {step}")
+
+        def result() -> torch.Tensor | None:
+            content = finish()
+            return None if rows is None else self._embedding(content, rows.numel(), f"the embedding of step {step}")
+
+        return result
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         response = self._post_tensors(

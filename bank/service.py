@@ -20,7 +20,7 @@ __all__ = ["create_app"]
 coordinator = APIRouter(dependencies=[Depends(require_self)], tags=["coordinator"])
 
 
-def core(request: Request) -> BankCore:
+async def core(request: Request) -> BankCore:
     return request.app.state.core
 
 

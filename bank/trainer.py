@@ -28,7 +28,7 @@ from bank.config import TrainingConfig
 from bank.proxy import TrainingParty
 from bank.task import Task
 from parties.errors import ConfigError
-from parties.model import build_optimizer, mlp, seeded
+from parties.model import build_optimizer, mlp
 
 __all__ = ["Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
 
@@ -105,6 +105,8 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
         self.top: torch.nn.Module | None = None
+        self.train_rows_sent = 0  # rows embedded for training (each also gets a gradient back)
+        self.eval_rows_sent = 0  # rows embedded for evaluation
 
     # --- calling every party at once ----------------------------------------------------
 
@@ -114,6 +116,22 @@ class Coordinator:
             return fn()
         finally:
             self.wait_seconds[party.name] += time.perf_counter() - started
+
+    def _step_all(self, step: int, grads: list[torch.Tensor | None], rows: torch.Tensor | None) -> list[Any]:
+        """One step at every party: send to the partners, run the bank's own bottom, then collect.
+
+        The partners' requests are on the wire while the bank computes, without
+        a thread: on a small model a thread hop costs as much as the overlap gains.
+        """
+        own, *others = self.parties
+        started = time.perf_counter()
+        pending = [p.submit_step(step, g, rows) for p, g in zip(others, grads[1:])]
+        first = self._timed(own, lambda: own.step(step, grads[0], rows))
+        results = [first]
+        for p, finish in zip(others, pending):
+            results.append(finish())
+            self.wait_seconds[p.name] += time.perf_counter() - started  # from sending to its answer
+        return results
 
     def _all(self, call: Callable[[TrainingParty], Any]) -> list[Any]:
         """``call`` on every party: the partners in threads, the bank's own in this thread meanwhile."""
@@ -129,8 +147,7 @@ class Coordinator:
         widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train))
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
         width = self.aggregation.width(widths)
-        with seeded(self.config.top.seed):
-            top = mlp(width, self.config.top.hidden, self.task.output_dim, activate_output=False)
+        top = mlp(width, self.config.top.hidden, self.task.output_dim, activate_output=False, seed=self.config.top.seed)
         return top, build_optimizer(top.parameters(), self.config.top)
 
     def _outputs(self, top: torch.nn.Module, positions: np.ndarray) -> torch.Tensor:
@@ -139,6 +156,7 @@ class Coordinator:
         with torch.no_grad():
             for i in range(0, len(positions), self.config.eval_batch_size):
                 rows = torch.from_numpy(positions[i : i + self.config.eval_batch_size].astype(np.int64))
+                self.eval_rows_sent += len(rows)
                 outs.append(top(self.aggregation.combine(self._all(lambda p: p.embed(rows)))))
         top.train()
         return torch.cat(outs) if outs else torch.zeros((0, self.task.output_dim))
@@ -164,7 +182,8 @@ class Coordinator:
                 grads: list[torch.Tensor | None] = [None] * k
                 losses = []
                 for rows in epoch_batches(self.split.train, self.config.batch_size, self.config.seed, epoch):
-                    zs = self._all(lambda p, g=dict(zip((q.name for q in self.parties), grads)): p.step(step, g[p.name], rows))
+                    zs = self._step_all(step, grads, rows)
+                    self.train_rows_sent += len(rows)
                     leaves = [z.requires_grad_(True) for z in zs]
                     loss = self.task.loss(top(self.aggregation.combine(leaves)), self.targets[rows])
                     optimizer.zero_grad(set_to_none=True)
@@ -180,12 +199,13 @@ class Coordinator:
                         )
                     if self.config.max_steps is not None and step >= self.config.max_steps:
                         break
-                names = [p.name for p in self.parties]
-                self._all(lambda p, g=dict(zip(names, grads)): p.step(step, g[p.name], None))  # flush
+                self._step_all(step, grads, None)  # the flush: last gradients, no new batch
                 step += 1
+                train_seconds = time.perf_counter() - epoch_start
                 val, _ = self.evaluate(top, self.split.val)
                 row = {"epoch": epoch + 1, "steps": step, "train_loss": float(np.mean(losses))}
                 row |= {f"val_{m}": v for m, v in val.items()}
+                row["train_seconds"] = train_seconds
                 row["seconds"] = time.perf_counter() - epoch_start
                 history.append(row)
                 logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",
@@ -201,9 +221,10 @@ class Coordinator:
                         break
                 if self.config.max_steps is not None and step >= self.config.max_steps:
                     break
-            if best_top is not None:
+            restore = self.config.restore_best and best_top is not None
+            if restore:
                 top.load_state_dict(best_top)
-            self.files = self._all(lambda p: p.finish(restore_best=True))
+            self.files = self._all(lambda p: p.finish(restore_best=restore))
             test, scores = self.evaluate(top, self.split.test)
         finally:
             for p in self.parties:

@@ -16,7 +16,7 @@ from torch import nn
 from bank.aggregation import get_aggregation
 from bank.config import TopConfig
 from bank.task import Task
-from parties.model import BottomConfig, build_bottom, build_optimizer, mlp, seeded
+from parties.model import BottomConfig, build_bottom, build_optimizer, mlp
 
 __all__ = ["UnsplitModel"]
 
@@ -38,8 +38,7 @@ class UnsplitModel(nn.Module):
         self.bottoms = nn.ModuleDict({n: build_bottom(self.x[n].shape[1], bottoms[n]) for n in self.names})
         self.aggregation = get_aggregation(aggregation)
         width = self.aggregation.width([bottoms[n].cut_width for n in self.names])
-        with seeded(top.seed):
-            self.top = mlp(width, top.hidden, task.output_dim, activate_output=False)
+        self.top = mlp(width, top.hidden, task.output_dim, activate_output=False, seed=top.seed)
         self.task = task
         self.optimizers = [build_optimizer(self.bottoms[n].parameters(), bottoms[n]) for n in self.names]
         self.optimizers.append(build_optimizer(self.top.parameters(), top))

@@ -14,18 +14,23 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.routing import BaseRoute
 
 from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
 from parties.protocol import CALLER_HEADER, Identity
 from parties.settings import ServiceSettings
 from parties.tls import ROLES, PeerIdentity, peer_identity
 
-__all__ = ["caller", "create_party_app", "read_body", "require_role", "require_self"]
+__all__ = ["caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
 
 logger = logging.getLogger(__name__)
 
 
-def caller(request: Request) -> PeerIdentity:
+# Dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in a
+# worker thread, a hop that costs more than the check itself on every training step.
+
+
+async def caller(request: Request) -> PeerIdentity:
     """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
     settings: ServiceSettings = request.app.state.settings
     tls = request.scope.get("extensions", {}).get("tls") or {}
@@ -42,18 +47,22 @@ def caller(request: Request) -> PeerIdentity:
     raise Forbidden("a client certificate is required")
 
 
+def ensure_role(identity: PeerIdentity, role: str) -> PeerIdentity:
+    if identity.role != role:
+        raise Forbidden(f"this endpoint is for the {role}; the caller is a {identity.role}")
+    return identity
+
+
 def require_role(role: str) -> Callable[..., PeerIdentity]:
     """A dependency that admits callers whose certificate names ``role``."""
 
-    def check(identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
-        if identity.role != role:
-            raise Forbidden(f"this endpoint is for the {role}; the caller is a {identity.role}")
-        return identity
+    async def check(identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+        return ensure_role(identity, role)
 
     return check
 
 
-def require_self(request: Request, identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+async def require_self(request: Request, identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
     """Admit only this party's own operator (a client holding this party's certificate)."""
     settings: ServiceSettings = request.app.state.settings
     if (identity.name, identity.role) != (settings.name, settings.role):
@@ -88,6 +97,7 @@ def create_party_app(
     *,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]],
     routers: Sequence[APIRouter],
+    routes: Sequence[BaseRoute] = (),
 ) -> FastAPI:
     app = FastAPI(title=f"Cutlayer {settings.role} service ({settings.name})", lifespan=lifespan)
     app.state.settings = settings
@@ -122,4 +132,5 @@ def create_party_app(
     app.include_router(common)
     for router in routers:
         app.include_router(router)
+    app.router.routes.extend(routes)
     return app

@@ -6,12 +6,13 @@ import socket
 
 import httpx
 
+from parties.channel import Channel
 from parties.errors import PeerError
 from parties.protocol import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.tls import PeerIdentity, TLSFiles, client_ssl_context, peer_identity
 
-__all__ = ["client_for", "expect_server", "make_client", "server_identity"]
+__all__ = ["client_for", "expect_server", "make_channel", "make_client", "server_identity"]
 
 
 def make_client(
@@ -69,3 +70,12 @@ def expect_server(response: httpx.Response, name: str, role: str) -> None:
             f"expected {role} {name!r} at {response.url.host}:{response.url.port}, "
             f"but its certificate names {identity.role} {identity.name!r}"
         )
+
+
+def make_channel(
+    tls: TLSFiles | None, url: str, *, expect: PeerIdentity, caller: PeerIdentity, timeout: float = 600.0
+) -> Channel:
+    """A hot-path channel to ``url`` that presents our certificate and insists on ``expect``'s."""
+    headers = {CALLER_HEADER: f"{caller.role}:{caller.name}"} if tls is None else {}
+    context = client_ssl_context(tls) if tls is not None else None
+    return Channel(url, context, expect=expect, headers=headers, timeout=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -9,14 +10,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp", "seeded"]
+__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp"]
 
 
 class OptimizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     optimizer: Literal["adam", "sgd"] = "adam"
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(5e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
 
 
@@ -28,37 +29,36 @@ class BottomConfig(OptimizerConfig):
     seed: int = 0
 
 
-def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool) -> nn.Sequential:
+def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:
+    """An MLP whose initial weights depend only on its shape and ``seed``.
+
+    Layers are created without storage and initialised from a private
+    generator, exactly as PyTorch's default ``nn.Linear`` initialisation but
+    without the global RNG: two parties building models in one process, in
+    two threads, cannot disturb each other's weights.
+    """
     layers: list[nn.Module] = []
     width = in_dim
     for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+        layers += [nn.Linear(width, h, device="meta"), nn.ReLU()]
         width = h
-    layers.append(nn.Linear(width, out_dim))
+    layers.append(nn.Linear(width, out_dim, device="meta"))
     if activate_output:
         layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-class seeded:
-    """Build modules under a fixed seed without touching the caller's global RNG."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self._ctx = torch.random.fork_rng(devices=[])
-
-    def __enter__(self) -> None:
-        self._ctx.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
+    model = nn.Sequential(*layers).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=generator)
+                bound = 1 / math.sqrt(layer.in_features) if layer.in_features > 0 else 0.0
+                nn.init.uniform_(layer.bias, -bound, bound, generator=generator)
+    return model
 
 
 def build_bottom(in_dim: int, config: BottomConfig) -> nn.Sequential:
     """The bottom MLP; the same (in_dim, config) always gives the same initial weights."""
-    with seeded(config.seed):
-        return mlp(in_dim, config.hidden, config.cut_width, activate_output=True)
+    return mlp(in_dim, config.hidden, config.cut_width, activate_output=True, seed=config.seed)
 
 
 def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:

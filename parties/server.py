@@ -14,7 +14,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,19 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from parties.files import atomic_write_text
 from parties.tls import TLSFiles
 
-__all__ = ["ServerThread", "bind_socket", "build_server", "serve", "running_server"]
+__all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
 
 logger = logging.getLogger(__name__)
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when it is installed (it is with ``uvicorn[standard]``), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
@@ -104,7 +114,7 @@ def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path
         await server.serve(sockets=[sock])
         task.cancel()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 class ServerThread:
@@ -119,7 +129,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn {self.url}")
 
     def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self.sock]))
+        run_loop(self.server.serve(sockets=[self.sock]))
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()

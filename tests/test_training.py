@@ -1,0 +1,108 @@
+"""Training behaviour: determinism, early stopping, other tasks, the bank service's job resource."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from alignment.parallel import WorkerPool
+from bank.alignment import align_with_partners
+from bank.config import TrainingConfig
+from bank.operator import BankOperator
+from bank.proxy import InProcessParty
+from bank.task import Task
+from bank.trainer import Coordinator
+from data.prepare import prepare_bank_marketing
+from parties.dataset import AlignedRows, load_party_table
+from parties.errors import PeerError
+from parties.model import BottomConfig
+from parties.tls import TLSFiles
+from tests.training_helpers import federation, saved, state_equal
+
+BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
+
+
+def test_the_same_config_gives_the_same_model_even_after_a_new_psi(pki, bank_full, tmp_path, start_partner) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False)
+    config = TrainingConfig(epochs=2, batch_size=64)
+    with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
+        first = fed.coordinator(config, BOTTOMS["bank"]).run()
+        with WorkerPool(1) as pool:  # a fresh PSI: new keys, new blinded values, the same seeded order
+            fed.alignment, _ = align_with_partners(fed.bank, {"partner": fed.proxies()[0]}, pool)
+        second = fed.coordinator(config, BOTTOMS["bank"]).run()
+        models = fed.partner_core("partner").settings.state_path / "models"
+        for folder in (tmp_path / "bank-models", models):
+            a = saved(folder / first.session_id / "bottom.safetensors")
+            b = saved(folder / second.session_id / "bottom.safetensors")
+            assert state_equal(a, b)
+        assert first.test_metrics == second.test_metrics
+        assert first.history[-1]["train_loss"] == second.history[-1]["train_loss"]
+
+
+def _in_process(tmp_path: Path, labels: list[str], task: str, **config: object) -> tuple[Coordinator, object]:
+    rng = np.random.default_rng(0)
+    n = len(labels)
+    ids = [f"c{i}" for i in range(n)]
+    signal = rng.normal(size=n)
+    bank = pd.DataFrame({"customer_id": ids, "a": signal + rng.normal(scale=0.1, size=n), "y": labels})
+    partner = pd.DataFrame({"customer_id": ids, "b": rng.normal(size=n), "c": rng.choice(["u", "v"], size=n)})
+    bank.to_csv(tmp_path / "b.csv", index=False)
+    partner.to_csv(tmp_path / "p.csv", index=False)
+    bt, pt = load_party_table(tmp_path / "b.csv", "customer_id", "y"), load_party_table(tmp_path / "p.csv", "customer_id")
+    alignment = AlignedRows("a1", np.arange(n))
+    cfg = TrainingConfig(task=task, **config)
+    t = Task(cfg.task).fit(bt.labels)
+    parties = [InProcessParty(name, table, lambda: alignment, BottomConfig(cut_width=4, seed=i))
+               for i, (name, table) in enumerate((("bank", bt), ("partner", pt)))]
+    return Coordinator(cfg, t, t.targets(bt.labels), parties, alignment_id="a1"), signal
+
+
+def test_multiclass_is_a_config_change(tmp_path: Path) -> None:
+    signal = np.random.default_rng(0).normal(size=900)
+    labels = np.where(signal < -0.5, "low", np.where(signal > 0.5, "high", "mid")).tolist()
+    coordinator, _ = _in_process(tmp_path, labels, "multiclass", epochs=15, batch_size=64)
+    outcome = coordinator.run()
+    assert coordinator.task.output_dim == 3 and outcome.test_scores.shape[1] == 3
+    assert outcome.test_metrics["accuracy"] > 0.6  # chance is ~0.38
+    assert set(outcome.test_metrics) == {"accuracy", "log_loss", "f1_macro"}
+
+
+def test_regression_is_a_config_change(tmp_path: Path) -> None:
+    signal = np.random.default_rng(0).normal(size=600)
+    coordinator, _ = _in_process(tmp_path, [f"{3 * s:.4f}" for s in signal], "regression", epochs=20, batch_size=32)
+    outcome = coordinator.run()
+    assert outcome.test_metrics["r2"] > 0.5
+    assert set(outcome.test_metrics) == {"mse", "mae", "r2"}
+
+
+def test_early_stopping_keeps_the_best_epoch(tmp_path: Path) -> None:
+    labels = (np.random.default_rng(1).random(400) < 0.3).astype(int).astype(str).tolist()  # pure noise
+    coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=50, patience=2, batch_size=32)
+    outcome = coordinator.run()
+    aucs = [row["val_roc_auc"] for row in outcome.history]
+    assert len(outcome.history) < 50  # it stopped early
+    assert len(outcome.history) == outcome.best_epoch + 2
+    assert outcome.best_epoch == int(np.argmax(aucs)) + 1
+
+
+def test_training_through_the_bank_service(pki, bank_full, tmp_path, start_partner, start_bank) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
+    partner = start_partner(paths["partner"])
+    bank = start_bank(paths["bank"], {"partner": partner.url})
+    with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
+        with pytest.raises(PeerError, match="HTTP 409.*no alignment yet"):
+            op.start_training(TrainingConfig(epochs=1))
+        op.wait(op.start_alignment())
+        seen = []
+        result = op.wait(op.start_training(TrainingConfig(epochs=2, batch_size=64)), on_progress=seen.append)
+        with pytest.raises(PeerError, match=r"HTTP 400\): unknown partners \['nobody'\]"):
+            op.start_training(TrainingConfig(partners=["nobody"]))
+    run_dir = Path(result["run_dir"])
+    assert {"config.json", "metrics.json", "history.csv", "test_predictions.csv", "split.csv"} <= {p.name for p in run_dir.iterdir()}
+    assert any(0 < (j.fraction or 0) <= 1 for j in seen)
+    predictions = pd.read_csv(run_dir / "test_predictions.csv")
+    assert len(predictions) == result["rows"]["test"] and predictions["score"].between(0, 1).all()
+    assert not list(run_dir.rglob("*.pt")) and not list(run_dir.rglob("*.pkl"))

@@ -1,0 +1,90 @@
+"""Shared set-up for the training tests: aligned bank and partner services on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from alignment.parallel import WorkerPool
+from bank.alignment import align_with_partners
+from bank.config import TrainingConfig
+from bank.proxy import HttpPartner, InProcessParty
+from bank.task import Task
+from bank.trainer import Coordinator
+from bank.unsplit import UnsplitModel
+from parties.client import make_client
+from parties.dataset import AlignedRows, PartyTable, load_party_table
+from parties.model import BottomConfig
+from parties.server import ServerThread
+from parties.session import PartySession
+from parties.tls import PeerIdentity, TLSFiles
+
+
+@dataclass
+class Federation:
+    bank: PartyTable
+    alignment: AlignedRows
+    partners: dict[str, ServerThread]
+    tables: dict[str, PartyTable]
+    client: httpx.Client
+    tmp: Path
+
+    def partner_core(self, name: str):
+        return self.partners[name].app.state.core
+
+    def proxies(self) -> list[HttpPartner]:
+        return [HttpPartner(n, s.url, self.client) for n, s in self.partners.items()]
+
+    def coordinator(self, config: TrainingConfig, bank_bottom: BottomConfig | None = None) -> Coordinator:
+        labels = self.bank.labels.iloc[self.alignment.rows]
+        task = Task(config.task).fit(labels)
+        own = InProcessParty(
+            "bank", self.bank, lambda: self.alignment, bank_bottom or config.bank_bottom,
+            model_dir=lambda s: self.tmp / "bank-models" / s,
+        )
+        return Coordinator(config, task, task.targets(labels), [own, *self.proxies()], alignment_id=self.alignment.alignment_id)
+
+    def partner_alignment(self, name: str) -> AlignedRows:
+        return self.partner_core(name).alignment
+
+    def unsplit(self, config: TrainingConfig, coordinator: Coordinator, bottoms: dict[str, BottomConfig]) -> UnsplitModel:
+        """The same model in one process: every party's features, encoded exactly as each party does."""
+        train = torch.from_numpy(coordinator.split.train.astype(np.int64))
+        features = {"bank": PartySession("ref", self.bank, self.alignment, train, bottoms["bank"]).trainer.x.numpy()}
+        for name in self.partners:
+            session = PartySession("ref", self.tables[name], self.partner_alignment(name), train, bottoms[name])
+            features[name] = session.trainer.x.numpy()
+        return UnsplitModel(features, bottoms, config.top, config.aggregation, coordinator.task)
+
+
+def state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def saved(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+@contextmanager
+def federation(
+    pki: Path,
+    paths: dict[str, Path],
+    start_partner: Callable[..., ServerThread],
+    tmp: Path,
+    bottoms: dict[str, BottomConfig],
+) -> Iterator[Federation]:
+    bank = load_party_table(paths["bank"], "customer_id", "y")
+    servers = {n: start_partner(paths[n], name=n, bottom=bottoms[n]) for n in paths if n != "bank"}
+    tables = {n: load_party_table(paths[n], "customer_id") for n in servers}
+    client = make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank"))
+    with client, WorkerPool(1) as pool:
+        peers = {n: HttpPartner(n, s.url, client) for n, s in servers.items()}
+        alignment, _ = align_with_partners(bank, peers, pool)
+        yield Federation(bank, alignment, servers, tables, client, tmp)
