@@ -69,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=None)
     t.add_argument("--aggregation", choices=["concat", "sum", "mean"], default=None)
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--audit", action="store_true", default=None, help="record what crossed the cut, for analysis")
     t.add_argument("--log-level", default="WARNING")
+
+    r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
+    r.add_argument("run", type=Path, nargs="?", default=None, help="run folder (default: the latest under runs/)")
+    r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
+    r.add_argument("--log-level", default="WARNING")
 
     b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
     b.add_argument("--epochs", type=int, default=3)
@@ -88,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workers", type=int, default=None)
     w.add_argument("--epochs", type=int, default=None, help="training epochs (default 30, with early stopping)")
     w.add_argument("--max-steps", type=int, default=None, help="stop training after N steps (smoke runs)")
+    w.add_argument("--audit", action="store_true", default=None,
+                   help="record what crossed the cut, for the notebook's leakage audit")
     w.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -106,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0
+    if args.command == "report":
+        from bank.analysis import load_run, write_report
+
+        run = load_run(args.run)
+        report = write_report(run, references=not args.no_references)
+        for name, table in report["tables"].items():
+            print(f"\n== {name}\n{table.to_string(index=False)}")
+        print(f"\nwritten to {run.path / 'analysis'}")
+        return 0
     if args.command == "bench":
         from bank.bench import bench_json, format_bench, run_training_bench
 
@@ -121,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
     if args.command == "train":
         config = _training_config(args.config, epochs=args.epochs, batch_size=args.batch_size,
-                                  aggregation=args.aggregation, seed=args.seed)
+                                  aggregation=args.aggregation, seed=args.seed, audit=args.audit)
         with BankOperator(args.url, tls, args.name) as operator:
             with tqdm(total=1000, desc="training", bar_format="{l_bar}{bar}| {postfix}") as bar:
 
@@ -141,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed)
+    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit)
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
                           cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,

@@ -36,6 +36,11 @@ class TrainingConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests, smoke runs)")
     restore_best: bool = Field(True, description="end with the weights of the best validation epoch")
     partners: list[str] | None = Field(None, description="default: every configured partner")
+    audit: bool = Field(
+        False,
+        description="record, for analysis only, the gradients each partner received and the embeddings the "
+        "bank received (the notebook's leakage audit); costs disk, and one extra embedding release",
+    )
 
     @model_validator(mode="after")
     def _fractions(self) -> TrainingConfig:

@@ -126,6 +126,7 @@ class BankCore:
         metrics = write_run(
             run_dir, config=config, task=task, outcome=outcome, top=coordinator.top, targets=targets,
             communication=communication, party_files=files, alignment_id=alignment.alignment_id,
+            bank_rows=alignment.rows,
         )
         return {"run_dir": str(run_dir), **metrics}
 

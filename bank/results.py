@@ -39,6 +39,7 @@ def write_run(
     communication: dict[str, dict[str, float]],
     party_files: dict[str, dict[str, str]],
     alignment_id: str,
+    bank_rows: np.ndarray,
 ) -> dict[str, Any]:
     """Write the run folder; return the metrics document."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,10 +55,15 @@ def write_run(
             predictions[f"score_{c}"] = scores[:, i]
     predictions.to_csv(run_dir / "test_predictions.csv", index=False)
     splits = {"train": outcome.split.train, "val": outcome.split.val, "test": outcome.split.test}
-    pd.DataFrame(
+    split = pd.DataFrame(
         {"position": np.concatenate(list(splits.values())),
          "split": np.concatenate([[k] * len(v) for k, v in splits.items()])}
-    ).sort_values("position").to_csv(run_dir / "split.csv", index=False)
+    ).sort_values("position")
+    split.insert(1, "bank_row", bank_rows[split["position"].to_numpy()])  # row in the bank's own file
+    split.to_csv(run_dir / "split.csv", index=False)
+    if outcome.audit is not None:
+        for name, tensors in outcome.audit.tensors().items():
+            atomic_write_bytes(run_dir / "audit" / f"{name}.safetensors", save_tensors(tensors))
     top_blob = save_tensors({k: v.contiguous() for k, v in top.state_dict().items()}, metadata={"session": outcome.session_id})
     atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
     _json(run_dir / "model" / "task.json", {"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label})

@@ -30,7 +30,7 @@ from bank.task import Task
 from parties.errors import ConfigError
 from parties.model import build_optimizer, mlp
 
-__all__ = ["Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
+__all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,32 @@ def epoch_batches(train: np.ndarray, batch_size: int, seed: int, epoch: int) -> 
 
 
 @dataclass
+class AuditRecord:
+    """What crossed the cut, kept for analysis only (``TrainingConfig.audit``).
+
+    ``gradients[name]`` holds, per training row and epoch, the gradient that
+    partner received; ``embeddings[name]`` the final model's embeddings of the
+    validation and test rows, as the bank received them.
+    """
+
+    gradients: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    embeddings: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def add_gradients(self, name: str, epoch: int, step: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        record = self.gradients.setdefault(name, {"epoch": [], "step": [], "rows": [], "grads": []})
+        record["epoch"].append(torch.full((len(rows),), epoch, dtype=torch.int64))
+        record["step"].append(torch.full((len(rows),), step, dtype=torch.int64))
+        record["rows"].append(rows.clone())
+        record["grads"].append(grad.detach().clone())
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """One flat tensor dict per file: ``gradients-<name>`` and ``embeddings-<name>``."""
+        out = {f"gradients-{n}": {k: torch.cat(v) for k, v in r.items()} for n, r in self.gradients.items()}
+        out |= {f"embeddings-{n}": r for n, r in self.embeddings.items()}
+        return out
+
+
+@dataclass
 class TrainingOutcome:
     session_id: str
     history: list[dict[str, Any]]
@@ -80,6 +106,7 @@ class TrainingOutcome:
     test_scores: np.ndarray
     widths: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
+    audit: AuditRecord | None = None
 
 
 class Coordinator:
@@ -107,6 +134,7 @@ class Coordinator:
         self.top: torch.nn.Module | None = None
         self.train_rows_sent = 0  # rows embedded for training (each also gets a gradient back)
         self.eval_rows_sent = 0  # rows embedded for evaluation
+        self.audit = AuditRecord() if config.audit else None
 
     # --- calling every party at once ----------------------------------------------------
 
@@ -165,6 +193,12 @@ class Coordinator:
         scores = self.task.scores(self._outputs(top, positions))
         return self.task.metrics(self.targets[torch.from_numpy(positions)], scores), scores
 
+    def _record_embeddings(self, audit: AuditRecord) -> None:
+        rows = torch.from_numpy(np.concatenate([self.split.val, self.split.test]).astype(np.int64))
+        for p in self.parties[1:]:
+            audit.embeddings[p.name] = {"rows": rows, "embedding": p.embed(rows)}
+        self.eval_rows_sent += len(rows)
+
     def run(self) -> TrainingOutcome:
         started = time.perf_counter()
         top, optimizer = self._start()
@@ -190,6 +224,9 @@ class Coordinator:
                     loss.backward()
                     optimizer.step()
                     grads = [leaf.grad for leaf in leaves]
+                    if self.audit is not None:
+                        for p, g in zip(self.parties[1:], grads[1:]):
+                            self.audit.add_gradients(p.name, epoch, step, rows, g)
                     losses.append(loss.item())
                     step += 1
                     if step % 20 == 0 or step >= total_steps:
@@ -226,6 +263,8 @@ class Coordinator:
                 top.load_state_dict(best_top)
             self.files = self._all(lambda p: p.finish(restore_best=restore))
             test, scores = self.evaluate(top, self.split.test)
+            if self.audit is not None:
+                self._record_embeddings(self.audit)
         finally:
             for p in self.parties:
                 try:
@@ -235,7 +274,7 @@ class Coordinator:
             self._pool.shutdown(wait=False)
         return TrainingOutcome(
             session_id=self.session_id, history=history, test_metrics=test, best_epoch=best_epoch, steps=step,
-            split=self.split, test_scores=scores, widths=self.widths,
+            split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
             timings={"total_seconds": time.perf_counter() - started,
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )

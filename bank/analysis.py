@@ -1,0 +1,212 @@
+"""Analyse a training run from its files: curves, communication, time per party, and the report.
+
+Everything here reads the run folder the walkthrough (or ``python -m bank
+train``) wrote, so a notebook or a script can use it without the services.
+``write_report`` computes every table and figure, saves them under
+``<run>/analysis/`` (CSV and PNG) and returns them for display.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files, not windows: the report runs headless too
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from sklearn import metrics as skm
+
+from parties.errors import DataError
+
+__all__ = [
+    "Run",
+    "communication_table",
+    "latest_run",
+    "leakage_figure",
+    "learning_curves",
+    "load_run",
+    "party_times",
+    "roc_pr_curves",
+    "write_report",
+]
+
+
+@dataclass
+class Run:
+    """A run folder, read: the bank's config, metrics, history, split and test predictions."""
+
+    path: Path
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+    history: pd.DataFrame
+    split: pd.DataFrame
+    predictions: pd.DataFrame
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def partners(self) -> list[str]:
+        return list(self.metrics.get("communication", {}))
+
+    @property
+    def bank_run_dir(self) -> Path:
+        return Path(self.summary.get("bank_run_dir", self.path))
+
+    @property
+    def audit_dir(self) -> Path:
+        return self.bank_run_dir / "audit"
+
+
+def latest_run(root: Path = Path("runs")) -> Path:
+    """The most recently written run folder under ``root``."""
+    candidates = sorted(Path(root).glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise DataError(f"no run under {root}: run `python -m bank walkthrough` first")
+    return candidates[-1].parent
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DataError(f"{path}: missing; is {path.parent} a run folder?") from exc
+
+
+def load_run(path: Path | str | None = None, root: Path = Path("runs")) -> Run:
+    """Read a run folder (default: the latest under ``runs/``)."""
+    folder = Path(path) if path is not None else latest_run(root)
+    summary_path = folder / "summary.json"
+    return Run(
+        path=folder,
+        config=_read_json(folder / "config.json"),
+        metrics=_read_json(folder / "metrics.json"),
+        history=pd.read_csv(folder / "history.csv"),
+        split=pd.read_csv(folder / "split.csv"),
+        predictions=pd.read_csv(folder / "test_predictions.csv"),
+        summary=_read_json(summary_path) if summary_path.exists() else {},
+    )
+
+
+def learning_curves(run: Run) -> Figure:
+    """Training loss and validation ROC-AUC per epoch, the best epoch marked."""
+    h = run.history
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(h["epoch"], h["train_loss"], marker="o")
+    ax1.set(title="training loss", xlabel="epoch", ylabel="loss")
+    metric = "val_roc_auc" if "val_roc_auc" in h else [c for c in h if c.startswith("val_")][0]
+    ax2.plot(h["epoch"], h[metric], marker="o", color="tab:green")
+    ax2.axvline(run.metrics["best_epoch"], color="grey", linestyle="--", label="best epoch")
+    ax2.set(title=f"validation {metric[4:]}", xlabel="epoch")
+    ax2.legend()
+    fig.tight_layout()
+    return fig
+
+
+def roc_pr_curves(run: Run) -> Figure:
+    """ROC and precision-recall curves on the held-out test rows."""
+    y, s = run.predictions["target"].to_numpy(), run.predictions["score"].to_numpy()
+    fpr, tpr, _ = skm.roc_curve(y, s)
+    precision, recall, _ = skm.precision_recall_curve(y, s)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(fpr, tpr, label=f"split model (AUC {skm.roc_auc_score(y, s):.3f})")
+    ax1.plot([0, 1], [0, 1], color="grey", linestyle=":")
+    ax1.set(title="ROC, test rows", xlabel="false positive rate", ylabel="true positive rate")
+    ax1.legend(loc="lower right")
+    ax2.plot(recall, precision, label=f"split model (AP {skm.average_precision_score(y, s):.3f})")
+    ax2.axhline(y.mean(), color="grey", linestyle=":", label=f"base rate {y.mean():.3f}")
+    ax2.set(title="precision-recall, test rows", xlabel="recall", ylabel="precision")
+    ax2.legend(loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def communication_table(run: Run) -> pd.DataFrame:
+    """Per partner and epoch: bytes and round trips, next to the theoretical minimum."""
+    epochs = max(len(run.history), 1)
+    rows = []
+    for name, c in run.metrics["communication"].items():
+        rows.append({
+            "partner": name,
+            "round_trips_per_epoch": c["round_trips"] / epochs,
+            "MB_per_epoch": c["bytes_total"] / epochs / 1e6,
+            "minimum_MB_per_epoch": c["minimum_bytes_total"] / epochs / 1e6,
+            "overhead_ratio": c["overhead_ratio"],
+        })
+    return pd.DataFrame(rows)
+
+
+def party_times(run: Run) -> pd.DataFrame:
+    """Seconds the bank spent waiting on each party (its own bottom included), and per epoch."""
+    timings = run.metrics["timings"]
+    epochs = max(len(run.history), 1)
+    rows = [
+        {"party": key.removeprefix("wait_seconds_"), "seconds": value, "seconds_per_epoch": value / epochs}
+        for key, value in timings.items()
+        if key.startswith("wait_seconds_")
+    ]
+    rows.append({"party": "whole run", "seconds": timings["total_seconds"],
+                 "seconds_per_epoch": timings["total_seconds"] / epochs})
+    return pd.DataFrame(rows)
+
+
+def _bar(table: pd.DataFrame, x: str, y: str, title: str) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.barh(table[x], table[y], color=["tab:blue" if str(v).startswith("split") else "tab:grey" for v in table[x]])
+    for i, v in enumerate(table[y]):
+        ax.text(v, i, f" {v:.3f}", va="center")
+    ax.set(title=title, xlabel=y, xlim=(min(0.5, float(np.nanmin(table[y])) - 0.05), 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def leakage_figure(leakage: pd.DataFrame) -> Figure:
+    """Leak AUC per epoch for each attack (dashed: the cross-epoch attack on row-averaged gradients)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for partner, table in leakage.groupby("partner"):
+        per_epoch = table[table["epoch"].map(lambda e: isinstance(e, (int, np.integer)))]
+        pooled = table[~table.index.isin(per_epoch.index)]
+        for column, color in (("norm_leak_auc", "tab:red"), ("direction_leak_auc", "tab:purple")):
+            label = f"{partner}: {column.removesuffix('_leak_auc')} attack"
+            ax.plot(per_epoch["epoch"].astype(int), per_epoch[column], marker="o", color=color, label=label)
+            if len(pooled):
+                ax.axhline(float(pooled[column].iloc[0]), color=color, linestyle="--", alpha=0.6)
+    ax.axhline(0.5, color="grey", linestyle=":", label="no leak")
+    ax.set(title="label leakage to the partner (leak AUC)", xlabel="epoch", ylim=(0.4, 1.02))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Compute every table and figure, save them under ``<run>/analysis/``, return them by name."""
+    from bank.audit import inversion_probe, label_leakage
+    from bank.references import reference_models
+
+    out = run.path / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, pd.DataFrame] = {
+        "communication": communication_table(run),
+        "party_times": party_times(run),
+    }
+    figures: dict[str, Figure] = {"learning_curves": learning_curves(run), "roc_pr": roc_pr_curves(run)}
+    if references:
+        tables["comparison"] = reference_models(run, seed=seed)
+        figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+    if audit and run.audit_dir.exists():
+        tables["label_leakage"] = label_leakage(run)
+        tables["inversion"] = inversion_probe(run, seed=seed)
+        figures["label_leakage"] = leakage_figure(tables["label_leakage"])
+    for name, table in tables.items():
+        table.to_csv(out / f"{name}.csv", index=False)
+    for name, fig in figures.items():
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    return {"tables": tables, "figures": {n: out / f"{n}.png" for n in figures}}

@@ -1,0 +1,127 @@
+"""Reference models for a run. SIMULATION ONLY: they read every party's file.
+
+No bank can compute these in real life: they join all parties' columns in
+one place. In a simulation (the walkthrough keeps every party's file under
+``<run>/data/``) they show what the partnership is worth: the split model
+next to a bank-only model and centralised references, all on exactly the
+run's own train/validation/test rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn import metrics as skm
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.linear_model import LogisticRegression
+
+from bank.analysis import Run
+from bank.config import TopConfig
+from bank.task import Task
+from bank.trainer import epoch_batches
+from bank.unsplit import UnsplitModel
+from parties.dataset import load_party_table
+from parties.errors import DataError
+from parties.features import TabularEncoder
+from parties.model import BottomConfig
+
+__all__ = ["joined_features", "reference_models"]
+
+
+def _party_files(run: Run) -> dict[str, Path]:
+    manifest = run.path / "data" / "partition.json"
+    if not manifest.exists():
+        raise DataError(f"{manifest}: missing. Reference models need every party's file, which only a simulation has")
+    parties = json.loads(manifest.read_text())["parties"]
+    return {name: run.path / "data" / info["file"] for name, info in parties.items()}
+
+
+def joined_features(run: Run) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
+    """Each party's encoded columns for the run's aligned rows (in the run's order), the targets, the splits.
+
+    Encoders are fitted on the run's training rows only, as each party does.
+    """
+    files = _party_files(run)
+    id_column = run.config.get("id_column", "customer_id")
+    bank = load_party_table(files.pop("bank"), id_column, "y")
+    split = run.split.sort_values("position")
+    bank_rows = split["bank_row"].to_numpy()
+    ids = [bank.ids[r] for r in bank_rows]
+    train = np.flatnonzero(split["split"].to_numpy() == "train")
+    tables = {"bank": (bank, bank_rows)}
+    for name, path in files.items():
+        table = load_party_table(path, id_column)
+        where = {i: k for k, i in enumerate(table.ids)}
+        tables[name] = (table, np.array([where[i] for i in ids]))
+    features = {}
+    for name, (table, rows) in tables.items():
+        frame = table.features.iloc[rows]
+        features[name] = TabularEncoder(table.schema).fit(frame.iloc[train]).transform(frame)
+    task = Task(run.metrics["task"], run.config.get("positive_label")).fit(bank.labels.iloc[bank_rows])
+    targets = task.targets(bank.labels.iloc[bank_rows]).numpy()
+    splits = {k: np.flatnonzero(split["split"].to_numpy() == k) for k in ("train", "val", "test")}
+    return features, targets, splits
+
+
+def _scores(name: str, features: str, y: np.ndarray, s: np.ndarray) -> dict[str, object]:
+    return {"model": name, "features": features, "test_roc_auc": skm.roc_auc_score(y, s),
+            "test_pr_auc": skm.average_precision_score(y, s)}
+
+
+def _partner_bottom(run: Run, name: str) -> BottomConfig:
+    folder = run.path / name / "models" / run.metrics["session"]
+    return BottomConfig.model_validate_json((folder / "bottom-config.json").read_text())
+
+
+def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:
+    """The run's own architecture and schedule, trained in one process with the same early stopping."""
+    config = run.config
+    bottoms = {"bank": BottomConfig.model_validate(config["bank_bottom"])}
+    bottoms |= {n: _partner_bottom(run, n) for n in features if n != "bank"}
+    task = Task("binary")
+    y = torch.from_numpy(targets.astype(np.float32))
+    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], task)
+    val, test = (torch.from_numpy(splits[k]) for k in ("val", "test"))
+    best, best_state, stale = -1.0, None, 0
+    for epoch in range(config["epochs"]):
+        model.train_batches(epoch_batches(splits["train"], config["batch_size"], config["seed"], epoch), y)
+        with torch.no_grad():
+            auc = skm.roc_auc_score(targets[splits["val"]], task.scores(model.eval()(val)))
+        model.train()
+        if auc > best:
+            best, best_state, stale = auc, copy.deepcopy(model.state_dict()), 0
+        else:
+            stale += 1
+            if stale >= config["patience"]:
+                break
+    model.load_state_dict(best_state)
+    with torch.no_grad():
+        return task.scores(model.eval()(test))
+
+
+def reference_models(run: Run, seed: int = 0) -> pd.DataFrame:
+    """Test ROC-AUC and PR-AUC of the split model and its references, on the run's own test rows."""
+    if run.metrics["task"] != "binary":
+        raise DataError("reference models are implemented for binary tasks")
+    features, y, splits = joined_features(run)
+    train, test = splits["train"], splits["test"]
+    everything = np.hstack(list(features.values()))
+    rows = [{"model": "split model (this run)", "features": "all parties",
+             "test_roc_auc": run.metrics["test"]["roc_auc"], "test_pr_auc": run.metrics["test"]["pr_auc"]}]
+    hgb = HistGradientBoostingClassifier(random_state=seed)
+    rows.append(_scores("bank only: HistGradientBoosting", "bank", y[test],
+                        hgb.fit(features["bank"][train], y[train]).predict_proba(features["bank"][test])[:, 1]))
+    lr = LogisticRegression(max_iter=2000)
+    rows.append(_scores("centralised: logistic regression", "all parties", y[test],
+                        lr.fit(everything[train], y[train]).predict_proba(everything[test])[:, 1]))
+    hgb = HistGradientBoostingClassifier(random_state=seed)
+    rows.append(_scores("centralised: HistGradientBoosting", "all parties", y[test],
+                        hgb.fit(everything[train], y[train]).predict_proba(everything[test])[:, 1]))
+    rows.append(_scores("centralised: unsplit MLP (same architecture)", "all parties", y[test],
+                        _unsplit_mlp(run, features, y, splits)))
+    return pd.DataFrame(rows)
