@@ -25,7 +25,7 @@ from alignment.session import SessionInfo
 from parties.channel import Channel
 from parties.client import expect_server
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import AlignmentMismatch, BadMessage, IntersectionTooSmall, NotReady, PeerError
+from parties.errors import AlignmentMismatch, BadMessage, IntersectionTooSmall, NotReady, PeerError, PeerUnavailable
 from parties.model import BottomConfig
 from parties.protocol import (
     ALIGNMENT_HEADER,
@@ -143,9 +143,12 @@ class HttpPartner:
         *,
         channel: Channel | None = None,
         wait_deadline: float = 600.0,
+        retry_deadline: float = 60.0,
     ) -> None:
         self.name, self.url, self.client, self.channel = name, url.rstrip("/"), client, channel
         self.wait_deadline = wait_deadline
+        self.retry_deadline = retry_deadline  # how long a silent partner is retried before giving up
+        self.retries = 0
         self.bytes_sent = 0
         self.bytes_received = 0
         self.round_trips = 0
@@ -156,7 +159,7 @@ class HttpPartner:
         try:
             response = self.client.request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
-            raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
+            raise PeerUnavailable(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
         self.bytes_sent += len(response.request.content or b"")
         self.bytes_received += len(response.content)
         self.round_trips += 1
@@ -221,23 +224,15 @@ class HttpPartner:
 
     # --- training -------------------------------------------------------------------------
 
-    def _send_tensors(
-        self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
-    ) -> Callable[[], bytes]:
-        body = encode(tensors, **meta)
+    def _send_once(self, path: str, what: str, body: bytes) -> Callable[[], bytes]:
+        """Send ``body`` now; the returned function waits for the answer."""
         if self.channel is None:
             content = self._call("POST", path, what, content=body, headers={"content-type": SAFETENSORS}).content
             return lambda: content
-        try:
-            receive = self.channel.send(path, body, SAFETENSORS)
-        except PeerError as exc:
-            raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
+        receive = self.channel.send(path, body, SAFETENSORS)
 
         def finish() -> bytes:
-            try:
-                response = receive()
-            except PeerError as exc:
-                raise PeerError(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
+            response = receive()
             self.round_trips += 1
             self.bytes_sent += len(body)
             self.bytes_received += len(response.content)
@@ -246,6 +241,49 @@ class HttpPartner:
             return response.content
 
         return finish
+
+    def _send_tensors(
+        self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
+    ) -> Callable[[], bytes]:
+        """Send an idempotent message; if the partner does not answer, send it again until the deadline.
+
+        Safe because the partner answers a repeated (session, step) from its
+        stored response without applying anything twice.
+        """
+        body = encode(tensors, **meta)
+        deadline = time.monotonic() + self.retry_deadline
+
+        def attempt() -> Callable[[], bytes]:
+            delay = 0.05
+            while True:
+                try:
+                    return self._send_once(path, what, body)
+                except PeerUnavailable:
+                    delay = self._backoff(deadline, delay, what)
+
+        finish = attempt()
+
+        def result() -> bytes:
+            nonlocal finish
+            delay = 0.05
+            while True:
+                try:
+                    return finish()
+                except PeerUnavailable:
+                    delay = self._backoff(deadline, delay, what)
+                    finish = attempt()
+
+        return result
+
+    def _backoff(self, deadline: float, delay: float, what: str) -> float:
+        if time.monotonic() + delay > deadline:
+            raise PeerUnavailable(
+                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s"
+            )
+        self.retries += 1
+        logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what, delay)
+        time.sleep(delay)
+        return min(delay * 2, 2.0)
 
     def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
         return self._send_tensors(path, what, tensors, **meta)()

@@ -5,8 +5,12 @@ one) and the rows of batch ``t`` (absent in the final flush). The party first
 applies the gradient, then embeds batch ``t`` with the updated weights, which
 is exactly what the unsplit model does between two optimiser steps.
 
-Every request is fully validated before anything changes: a refused request
-leaves the weights, the optimiser and the step counter as they were.
+Exactly once: (session, step) is the idempotency key. A step that arrives
+again with the same content (the bank retrying after a lost response) gets
+the stored answer and changes nothing; with other content, or any step but
+the next, it is refused. Every request is fully validated before anything
+changes: a refused request leaves the weights, the optimiser and the step
+counter as they were.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class BottomTrainer:
         self._pending: torch.Tensor | None = None
         self._pending_rows = 0
         self._best: dict[str, Any] | None = None
+        self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
 
@@ -80,6 +85,8 @@ class BottomTrainer:
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         """Apply ``grad`` to the pending embedding, then embed ``rows``; return the embedding."""
         with self._lock:
+            if self._last is not None and step == self._last[0]:
+                return self._replay(grad, rows)
             if step != self.next_step:
                 raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
             self._check_grad(grad)
@@ -97,7 +104,19 @@ class BottomTrainer:
                 self.releases += rows.numel()
                 out = z.detach()
             self.next_step = step + 1
+            self._last = (step, grad, rows, out)
             return out
+
+    def _replay(self, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        step, last_grad, last_rows, out = self._last  # type: ignore[misc]
+
+        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+            return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+        if not (same(grad, last_grad) and same(rows, last_rows)):
+            raise OutOfOrder(f"step {step} was already applied, with a different request")
+        logger.info("step %d arrived again: answered from the stored response", step)
+        return out
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings for evaluation: no graph kept, no state changed."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from parties.errors import PeerError
+from parties.errors import PeerError, PeerUnavailable
 from parties.tls import PeerIdentity, peer_identity
 
 __all__ = ["Channel", "ChannelResponse"]
@@ -90,7 +90,7 @@ class Channel:
             self._conn.request("POST", path, body=body, headers=headers)
         except (OSError, http.client.HTTPException) as exc:
             self._fail()
-            raise PeerError(f"{self.host}:{self.port} did not answer: {exc}") from exc
+            raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
         except BaseException:
             self._fail()
             raise
@@ -103,7 +103,7 @@ class Channel:
                 return ChannelResponse(response.status, content, response.getheader("content-type", ""))
             except (OSError, http.client.HTTPException) as exc:
                 self.close_connection()
-                raise PeerError(f"{self.host}:{self.port} did not answer: {exc}") from exc
+                raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
             finally:
                 self._lock.release()
 

@@ -17,6 +17,7 @@ The tree::
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
     │   └── AlignmentMismatch       the two sides computed different results
     └── PeerError                   a peer failed, dropped or refused us       -> 502
+        └── PeerUnavailable         no answer at all (refused, reset, timed out): retry
 
 Core code raises these; the app factory (``parties.app``) maps them to HTTP
 status codes, and the CLIs print their message and exit non-zero.
@@ -38,6 +39,7 @@ __all__ = [
     "OutOfOrder",
     "PayloadTooLarge",
     "PeerError",
+    "PeerUnavailable",
     "ProtocolError",
     "UnknownSession",
 ]
@@ -103,3 +105,7 @@ class AlignmentMismatch(AlignmentError):
 
 class PeerError(CutlayerError):
     status_code = 502
+
+
+class PeerUnavailable(PeerError):
+    pass

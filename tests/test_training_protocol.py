@@ -85,7 +85,8 @@ def test_invalid_step_messages_get_4xx_and_change_nothing(fed, pki) -> None:
         "nan": (encode({"grad": nan_grad, "rows": rows}, session="s1", step=1), 400, "NaN"),
         "wrong-dtype": (encode({"grad": good_grad.double(), "rows": rows}, session="s1", step=1), 400, "expected torch.float32"),
         "wrong-step": (encode({"grad": good_grad, "rows": rows}, session="s1", step=5), 409, "expected step 1"),
-        "replayed-step": (encode({"grad": good_grad, "rows": rows}, session="s1", step=0), 409, "expected step 1"),
+        "replayed-step-other-content": (encode({"grad": good_grad, "rows": rows}, session="s1", step=0), 409, "different request"),
+        "old-step": (encode({"grad": good_grad, "rows": rows}, session="s1", step=-1), 409, "expected step 1"),
         "rows-out-of-range": (encode({"grad": good_grad, "rows": torch.tensor([0, 10**6])}, session="s1", step=1), 400, "rows must lie"),
         "session-mismatch": (encode({"grad": good_grad, "rows": rows}, session="s2", step=1), 400, "another session"),
         "no-step": (encode({"grad": good_grad, "rows": rows}, session="s1"), 400, "no 'step'"),
@@ -117,3 +118,17 @@ def test_a_partner_can_be_configured_independently(fed) -> None:
     coordinator = fed.coordinator(TrainingConfig(epochs=1, max_steps=2, batch_size=32), BottomConfig(cut_width=3))
     outcome = coordinator.run()
     assert outcome.widths == {"bank": 3, "partner": 6}
+
+
+def test_a_repeated_step_is_answered_from_the_store_and_applied_once(fed) -> None:
+    party = fed.proxies()[0]
+    party.start_training("s1", fed.alignment.alignment_id, torch.arange(100))
+    rows = torch.arange(8)
+    party.step(0, None, rows)
+    grad = torch.full((8, 6), 0.01)
+    first = party.step(1, grad, rows)
+    after_first = _snapshot(fed)
+    again = party.step(1, grad, rows)  # as if the first answer had been lost on the way back
+    assert torch.equal(first, again)
+    after_again = _snapshot(fed)
+    assert state_equal(after_first[0], after_again[0]) and after_first[2] == after_again[2] == 2

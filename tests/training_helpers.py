@@ -19,12 +19,13 @@ from bank.proxy import HttpPartner, InProcessParty
 from bank.task import Task
 from bank.trainer import Coordinator
 from bank.unsplit import UnsplitModel
+from parties.channel import Channel
 from parties.client import make_client
 from parties.dataset import AlignedRows, PartyTable, load_party_table
 from parties.model import BottomConfig
 from parties.server import ServerThread
 from parties.session import PartySession
-from parties.tls import PeerIdentity, TLSFiles
+from parties.tls import PeerIdentity, TLSFiles, client_ssl_context
 
 
 @dataclass
@@ -35,12 +36,21 @@ class Federation:
     tables: dict[str, PartyTable]
     client: httpx.Client
     tmp: Path
+    tls: TLSFiles
 
     def partner_core(self, name: str):
         return self.partners[name].app.state.core
 
+    channel_factory: Callable[..., Channel] | None = None
+
     def proxies(self) -> list[HttpPartner]:
-        return [HttpPartner(n, s.url, self.client) for n, s in self.partners.items()]
+        """Partner proxies as the bank builds them: control calls over httpx, steps over a channel."""
+        factory = self.channel_factory or Channel
+        out = []
+        for name, server in self.partners.items():
+            channel = factory(server.url, client_ssl_context(self.tls), expect=PeerIdentity(name, "partner"))
+            out.append(HttpPartner(name, server.url, self.client, channel=channel, retry_deadline=20))
+        return out
 
     def coordinator(self, config: TrainingConfig, bank_bottom: BottomConfig | None = None) -> Coordinator:
         labels = self.bank.labels.iloc[self.alignment.rows]
@@ -87,4 +97,4 @@ def federation(
     with client, WorkerPool(1) as pool:
         peers = {n: HttpPartner(n, s.url, client) for n, s in servers.items()}
         alignment, _ = align_with_partners(bank, peers, pool)
-        yield Federation(bank, alignment, servers, tables, client, tmp)
+        yield Federation(bank, alignment, servers, tables, client, tmp, TLSFiles.from_dir(pki, "bank"))

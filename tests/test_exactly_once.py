@@ -1,0 +1,72 @@
+"""Exactly-once steps: lost answers, duplicated and delayed requests still give the bit-identical model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bank.config import TrainingConfig
+from data.prepare import prepare_bank_marketing
+from parties.channel import Channel, ChannelResponse
+from parties.errors import PeerUnavailable
+from parties.model import BottomConfig
+from tests.training_helpers import federation, saved, state_equal
+
+BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
+
+
+class FaultyChannel(Channel):
+    """A real channel to the real partner that loses, repeats and delays messages on cue."""
+
+    def __init__(self, *args: object, faults: dict[int, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.faults, self.calls, self.injected = faults, 0, []
+
+    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], ChannelResponse]:
+        self.calls += 1
+        fault = self.faults.get(self.calls)
+        if fault == "duplicate":  # the partner gets the request twice; the first answer is thrown away
+            super().send(path, body, content_type)()
+        if fault == "delay":
+            time.sleep(0.3)
+        receive = super().send(path, body, content_type)
+        if fault == "drop":  # the partner processed it, but the answer never arrives
+
+            def dropped() -> ChannelResponse:
+                receive()
+                self.close_connection()
+                raise PeerUnavailable("answer lost (injected)")
+
+            return self._note(fault, dropped)
+        return self._note(fault, receive) if fault else receive
+
+    def _note(self, fault: str, fn: Callable[[], ChannelResponse]) -> Callable[[], ChannelResponse]:
+        self.injected.append(fault)
+        return fn
+
+
+def test_faults_on_the_wire_do_not_change_the_model(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False)
+    config = TrainingConfig(epochs=2, batch_size=64, restore_best=False)
+    faults = {3: "drop", 4: "duplicate", 7: "delay", 9: "drop", 10: "drop", 15: "duplicate", 22: "drop"}
+    with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
+        clean = fed.coordinator(config, BOTTOMS["bank"]).run()
+        channels: list[FaultyChannel] = []
+
+        def faulty(*args: object, **kwargs: object) -> FaultyChannel:
+            channels.append(FaultyChannel(*args, faults=faults, **kwargs))
+            return channels[-1]
+
+        fed.channel_factory = faulty
+        coordinator = fed.coordinator(config, BOTTOMS["bank"])
+        noisy = coordinator.run()
+        partner = coordinator.parties[1]
+
+    assert sorted(channels[0].injected) == sorted(faults.values())
+    assert partner.retries == 4  # one per lost answer
+    models = fed.partner_core("partner").settings.state_path / "models"
+    for folder in (tmp_path / "bank-models", models):
+        assert state_equal(saved(folder / clean.session_id / "bottom.safetensors"),
+                           saved(folder / noisy.session_id / "bottom.safetensors"))
+    assert clean.test_metrics == noisy.test_metrics
