@@ -145,15 +145,23 @@ class Coordinator:
         finally:
             self.wait_seconds[party.name] += time.perf_counter() - started
 
-    def _step_all(self, step: int, grads: list[torch.Tensor | None], rows: torch.Tensor | None) -> list[Any]:
-        """One step at every party: send to the partners, run the bank's own bottom, then collect.
+    def _step_all(
+        self,
+        step: int,
+        grads: list[torch.Tensor | None],
+        rows: torch.Tensor | None,
+        while_waiting: Callable[[], None] = lambda: None,
+    ) -> list[Any]:
+        """One step at every party: send to the partners, compute here meanwhile, then collect.
 
-        The partners' requests are on the wire while the bank computes, without
-        a thread: on a small model a thread hop costs as much as the overlap gains.
+        The partners' requests are on the wire while the bank runs
+        ``while_waiting`` and its own bottom, without a thread: on a small
+        model a thread hop costs as much as the overlap gains.
         """
         own, *others = self.parties
         started = time.perf_counter()
         pending = [p.submit_step(step, g, rows) for p, g in zip(others, grads[1:])]
+        while_waiting()
         first = self._timed(own, lambda: own.step(step, grads[0], rows))
         results = [first]
         for p, finish in zip(others, pending):
@@ -215,14 +223,23 @@ class Coordinator:
                 epoch_start = time.perf_counter()
                 grads: list[torch.Tensor | None] = [None] * k
                 losses = []
+                top_has_gradients = [False]
+
+                def apply_top_update() -> None:
+                    # The top's optimiser step for step t runs while the parties work on step t+1:
+                    # still before the top's next forward, so the computation is unchanged.
+                    if top_has_gradients[0]:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        top_has_gradients[0] = False
+
                 for rows in epoch_batches(self.split.train, self.config.batch_size, self.config.seed, epoch):
-                    zs = self._step_all(step, grads, rows)
+                    zs = self._step_all(step, grads, rows, while_waiting=apply_top_update)
                     self.train_rows_sent += len(rows)
                     leaves = [z.requires_grad_(True) for z in zs]
                     loss = self.task.loss(top(self.aggregation.combine(leaves)), self.targets[rows])
-                    optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    optimizer.step()
+                    top_has_gradients[0] = True
                     grads = [leaf.grad for leaf in leaves]
                     if self.audit is not None:
                         for p, g in zip(self.parties[1:], grads[1:]):
@@ -236,7 +253,7 @@ class Coordinator:
                         )
                     if self.config.max_steps is not None and step >= self.config.max_steps:
                         break
-                self._step_all(step, grads, None)  # the flush: last gradients, no new batch
+                self._step_all(step, grads, None, while_waiting=apply_top_update)  # the flush: no new batch
                 step += 1
                 train_seconds = time.perf_counter() - epoch_start
                 val, _ = self.evaluate(top, self.split.val)

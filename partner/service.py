@@ -105,8 +105,10 @@ async def abort(session_id: str, c: PartnerCore = Depends(core)) -> Response:
     return Response(status_code=204)
 
 
-async def _message(request: Request, c: PartnerCore, allowed: dict[str, torch.dtype], session: str | None) -> WireMessage:
-    message = decode(await read_body(request, c.settings.max_body_bytes), allowed)
+async def _message(
+    request: Request, c: PartnerCore, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
+) -> WireMessage:
+    message = decode(await read_body(request, c.settings.max_body_bytes), allowed, check_finite=check_finite)
     if session is not None and message.meta.get("session") != session:
         raise BadMessage("the message names another session than the URL")
     return message
@@ -133,7 +135,8 @@ async def step(request: Request) -> Response:
     c: PartnerCore = request.app.state.core
     session_id = request.path_params["session_id"]
     trainer = c.training(session_id).trainer
-    message = await _message(request, c, {"grad": torch.float32, "rows": torch.int64}, session_id)
+    # BottomTrainer.step checks the gradient's finiteness itself.
+    message = await _message(request, c, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
     z = trainer.step(number, message.get("grad"), message.get("rows"))
     return _tensors({} if z is None else {"embedding": z}, session=session_id, step=number)
