@@ -35,6 +35,9 @@ class TrainingConfig(BaseModel):
     seed: int = 0
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests, smoke runs)")
     restore_best: bool = Field(True, description="end with the weights of the best validation epoch")
+    checkpoint_every: int = Field(
+        50, ge=0, description="every party checkpoints every N steps (0: at epoch ends only)"
+    )
     partners: list[str] | None = Field(None, description="default: every configured partner")
     audit: bool = Field(
         False,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
 from bank.config import TrainingConfig
-from bank.proxy import HttpPartner, InProcessParty
+from bank.local import InProcessParty
+from bank.proxy import HttpPartner
 from bank.results import write_run
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
@@ -106,16 +108,19 @@ class BankCore:
                 HttpPartner(name, url, client, channel=make_channel(
                     self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
                     timeout=self.settings.peer_timeout,
-                ))
+                ), retry_deadline=self.settings.peer_retry_deadline)
                 for name, url in urls.items()
             ]
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
                 model_dir=lambda session: runs / session / "model" / "bank",
+                checkpoint_dir=lambda session: runs / session / "checkpoints" / "bank-bottom",
             )
+            session_id = uuid.uuid4().hex
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
-                progress=lambda msg, frac=None: progress(msg, frac),
+                session_id=session_id, progress=lambda msg, frac=None: progress(msg, frac),
+                checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
             progress("starting the parties' sessions", 0.0)
             outcome = coordinator.run()

@@ -2,9 +2,9 @@
 
 For alignment the coordinator sees the ``PsiPeer`` contract (``alignment.local``
 has the in-process implementation); for training it sees ``TrainingParty``,
-implemented here by ``HttpPartner`` (a partner service) and ``InProcessParty``
-(the bank's own bottom model, or any party's session called directly). The
-same contract tests run against both.
+implemented here by ``HttpPartner`` (a partner service) and in
+``bank.local`` by ``InProcessParty`` (the bank's own bottom model, or any
+party's session called directly). The same contract tests run against both.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import logging
 import time
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 import httpx
 import numpy as np
@@ -24,21 +23,27 @@ import torch
 from alignment.session import SessionInfo
 from parties.channel import Channel
 from parties.client import expect_server
-from parties.dataset import AlignedRows, PartyTable
-from parties.errors import AlignmentMismatch, BadMessage, IntersectionTooSmall, NotReady, PeerError, PeerUnavailable
-from parties.model import BottomConfig
+from parties.errors import (
+    AlignmentMismatch,
+    Behind,
+    IntersectionTooSmall,
+    NotReady,
+    PeerError,
+    PeerUnavailable,
+)
 from parties.protocol import (
     ALIGNMENT_HEADER,
     DIGEST_HEADER,
     OCTET_STREAM,
     AlignmentInfo,
+    CheckpointList,
     FinishRequest,
     ModelFiles,
     PsiOpenRequest,
     PsiOpenResponse,
+    RestoreRequest,
     TrainSessionInfo,
 )
-from parties.session import PartySession
 from parties.wire import SAFETENSORS, decode, encode
 
 
@@ -56,9 +61,20 @@ class TrainingParty(Protocol):
         ...
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
     ) -> Callable[[], torch.Tensor | None]:
-        """Start ``step``; the returned function finishes it. The bank computes in between."""
+        """Start ``step``; the returned function finishes it. The bank computes in between.
+
+        ``checkpoint``: save this party's state once the step is applied.
+        """
+        ...
+
+    def checkpoints(self) -> list[int]:
+        """The steps this party holds a checkpoint for."""
+        ...
+
+    def restore(self, step: int) -> None:
+        """Roll back to this party's checkpoint at ``step``."""
         ...
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor: ...
@@ -74,58 +90,7 @@ class TrainingParty(Protocol):
         ...
 
 
-class InProcessParty:
-    """A party's training session called directly (the bank's own bottom; contract tests)."""
-
-    def __init__(
-        self,
-        name: str,
-        table: PartyTable,
-        alignment: Callable[[], AlignedRows],
-        config: BottomConfig,
-        model_dir: Callable[[str], Path] | None = None,
-    ) -> None:
-        self.name, self.table, self._alignment, self.config = name, table, alignment, config
-        self._model_dir = model_dir
-        self.session: PartySession | None = None
-
-    def _live(self) -> PartySession:
-        if self.session is None:
-            raise PeerError(f"{self.name}: no training session")
-        return self.session
-
-    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
-        alignment = self._alignment()
-        if alignment.alignment_id != alignment_id:
-            raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
-        self.session = PartySession(session_id, self.table, alignment, train_positions, self.config)
-        return self.session.trainer.width
-
-    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-        return self._live().trainer.step(step, grad, rows)
-
-    def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
-    ) -> Callable[[], torch.Tensor | None]:
-        return lambda: self.step(step, grad, rows)
-
-    def embed(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._live().trainer.embed(rows)
-
-    def mark_best(self) -> None:
-        self._live().trainer.mark_best()
-
-    def finish(self, restore_best: bool) -> ModelFiles:
-        session = self._live()
-        if restore_best:
-            session.trainer.restore_best()
-        files = session.save(self._model_dir(session.session_id)) if self._model_dir is not None else {}
-        return ModelFiles(session=session.session_id, files=files)
-
-    def end(self) -> None:
-        self.session = None
-
-__all__ = ["HttpPartner", "InProcessParty", "TrainingParty"]
+__all__ = ["HttpPartner", "TrainingParty"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +140,8 @@ class HttpPartner:
             kind, detail = "", content[:200].decode(errors="replace")
         if kind == "NotReady":
             raise NotReady(detail)
+        if kind == "Behind":
+            raise Behind(f"partner {self.name!r} is behind: {detail}")
         error = _PASSED_ON.get(kind, PeerError)
         raise error(f"partner {self.name!r} refused {what} (HTTP {status}): {detail}")
 
@@ -311,12 +278,11 @@ class HttpPartner:
         return self.submit_step(step, grad, rows)()
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
     ) -> Callable[[], torch.Tensor | None]:
         tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
-        finish = self._send_tensors(
-            f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, session=self.session_id, step=step
-        )
+        meta = {"session": self.session_id, "step": step} | ({"checkpoint": 1} if checkpoint else {})
+        finish = self._send_tensors(f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, **meta)
 
         def result() -> torch.Tensor | None:
             content = finish()
@@ -333,6 +299,14 @@ class HttpPartner:
 
     def mark_best(self) -> None:
         self._call("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+
+    def checkpoints(self) -> list[int]:
+        response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
+        return CheckpointList.model_validate(response.json()).steps
+
+    def restore(self, step: int) -> None:
+        body = RestoreRequest(step=step).model_dump()
+        self._call("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
 
     def finish(self, restore_best: bool) -> ModelFiles:
         body = FinishRequest(restore_best=restore_best).model_dump()

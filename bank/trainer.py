@@ -16,18 +16,20 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.model_selection import train_test_split
 
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
 from bank.proxy import TrainingParty
+from bank.schedule import Split, epoch_batches, split_rows
 from bank.task import Task
-from parties.errors import ConfigError
+from parties.checkpoint import checkpoint_steps, flatten_optimizer, read_checkpoint, unflatten_optimizer, write_checkpoint
+from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable
 from parties.model import build_optimizer, mlp
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -35,38 +37,6 @@ __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batc
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, float], None]
-
-
-@dataclass(frozen=True)
-class Split:
-    train: np.ndarray
-    val: np.ndarray
-    test: np.ndarray
-
-
-def split_rows(n: int, targets: torch.Tensor, task: Task, config: TrainingConfig) -> Split:
-    """A seeded train/validation/test split of the aligned positions, stratified by label."""
-    positions = np.arange(n)
-    labels = targets.numpy() if task.stratify else None
-    try:
-        rest, test = train_test_split(
-            positions, test_size=config.test_fraction, random_state=config.seed, stratify=labels
-        )
-        train, val = train_test_split(
-            rest,
-            test_size=config.val_fraction / (1 - config.test_fraction),
-            random_state=config.seed,
-            stratify=None if labels is None else labels[rest],
-        )
-    except ValueError as exc:
-        raise ConfigError(f"cannot split {n} aligned rows as configured: {exc}") from exc
-    return Split(np.sort(train), np.sort(val), np.sort(test))
-
-
-def epoch_batches(train: np.ndarray, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """The batches of one epoch: a permutation seeded by (seed, epoch), cut into batches."""
-    order = np.random.default_rng([seed, epoch]).permutation(train)
-    return [torch.from_numpy(order[i : i + batch_size].astype(np.int64)) for i in range(0, len(order), batch_size)]
 
 
 @dataclass
@@ -122,6 +92,7 @@ class Coordinator:
         alignment_id: str,
         session_id: str | None = None,
         progress: ProgressFn | None = None,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         self.config, self.task, self.targets, self.parties = config, task, targets, list(parties)
         self.alignment_id = alignment_id
@@ -135,6 +106,8 @@ class Coordinator:
         self.train_rows_sent = 0  # rows embedded for training (each also gets a gradient back)
         self.eval_rows_sent = 0  # rows embedded for evaluation
         self.audit = AuditRecord() if config.audit else None
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
+        self.rollbacks = 0
 
     # --- calling every party at once ----------------------------------------------------
 
@@ -151,6 +124,7 @@ class Coordinator:
         grads: list[torch.Tensor | None],
         rows: torch.Tensor | None,
         while_waiting: Callable[[], None] = lambda: None,
+        checkpoint: bool = False,
     ) -> list[Any]:
         """One step at every party: send to the partners, compute here meanwhile, then collect.
 
@@ -160,13 +134,18 @@ class Coordinator:
         """
         own, *others = self.parties
         started = time.perf_counter()
-        pending = [p.submit_step(step, g, rows) for p, g in zip(others, grads[1:])]
+        pending = [p.submit_step(step, g, rows, checkpoint) for p, g in zip(others, grads[1:])]
         while_waiting()
-        first = self._timed(own, lambda: own.step(step, grads[0], rows))
-        results = [first]
+        first = self._timed(own, own.submit_step(step, grads[0], rows, checkpoint))
+        results, failures = [first], []
         for p, finish in zip(others, pending):
-            results.append(finish())
+            try:  # collect every answer, even after one failed: no request is left in flight
+                results.append(finish())
+            except CutlayerError as exc:
+                failures.append(exc)
             self.wait_seconds[p.name] += time.perf_counter() - started  # from sending to its answer
+        if failures:
+            raise failures[0]
         return results
 
     def _all(self, call: Callable[[TrainingParty], Any]) -> list[Any]:
@@ -207,77 +186,75 @@ class Coordinator:
             audit.embeddings[p.name] = {"rows": rows, "embedding": p.embed(rows)}
         self.eval_rows_sent += len(rows)
 
+    # --- checkpoints and rollback ----------------------------------------------------------
+
+    def _is_checkpoint(self, step: int, flush: bool) -> bool:
+        every = self.config.checkpoint_every
+        return self.checkpoint_dir is not None and (flush or bool(every and (step + 1) % every == 0))
+
+    def _save(self, loop: _Loop, optimizer: torch.optim.Optimizer) -> None:
+        assert self.top is not None and self.checkpoint_dir is not None
+        tensors = {f"top.{k}": v.detach().clone() for k, v in self.top.state_dict().items()}
+        optim, optim_meta = flatten_optimizer(optimizer, "optim")
+        tensors |= optim
+        tensors |= {f"grads.{i}": g for i, g in enumerate(loop.grads) if g is not None}
+        if loop.best_top is not None:
+            tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
+        meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id}
+        write_checkpoint(self.checkpoint_dir, loop.step - 1, tensors, meta)
+
+    def _rollback(self, loop: _Loop, optimizer: torch.optim.Optimizer, cause: Exception) -> _Loop:
+        """Every party back to the latest step all of them have checkpointed."""
+        assert self.top is not None and self.checkpoint_dir is not None
+        common = set(checkpoint_steps(self.checkpoint_dir))
+        for p in self.parties:
+            common &= set(self._retrying(p, p.checkpoints))
+        if not common:
+            raise PeerError(f"{cause}; and no step is checkpointed by every party, so training cannot continue")
+        step = max(common)
+        logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
+        for p in self.parties:
+            self._retrying(p, lambda p=p: p.restore(step))
+        checkpoint = read_checkpoint(self.checkpoint_dir, step)
+        self.top.load_state_dict(checkpoint.section("top"))
+        unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
+        grads = checkpoint.section("grads")
+        restored = _Loop.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))])
+        best = checkpoint.section("best_top")
+        restored.best_top = best or None
+        self.rollbacks += 1
+        return restored
+
+    def _retrying(self, party: TrainingParty, call: Callable[[], Any]) -> Any:
+        """A control call to a party that may still be restarting: retried until the party's deadline."""
+        deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
+        while True:
+            try:
+                return call()
+            except PeerUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    # --- the loop --------------------------------------------------------------------------
+
     def run(self) -> TrainingOutcome:
         started = time.perf_counter()
         top, optimizer = self._start()
         self.top = top
-        metric, mode = self.task.objective
-        better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
-        best_score, best_epoch, best_top, stale = None, -1, None, 0
-        history: list[dict[str, Any]] = []
-        step, k = 0, len(self.parties)
-        steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
-        total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
+        loop = _Loop(grads=[None] * len(self.parties))
         try:
-            for epoch in range(self.config.epochs):
-                epoch_start = time.perf_counter()
-                grads: list[torch.Tensor | None] = [None] * k
-                losses = []
-                top_has_gradients = [False]
-
-                def apply_top_update() -> None:
-                    # The top's optimiser step for step t runs while the parties work on step t+1:
-                    # still before the top's next forward, so the computation is unchanged.
-                    if top_has_gradients[0]:
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        top_has_gradients[0] = False
-
-                for rows in epoch_batches(self.split.train, self.config.batch_size, self.config.seed, epoch):
-                    zs = self._step_all(step, grads, rows, while_waiting=apply_top_update)
-                    self.train_rows_sent += len(rows)
-                    leaves = [z.requires_grad_(True) for z in zs]
-                    loss = self.task.loss(top(self.aggregation.combine(leaves)), self.targets[rows])
-                    loss.backward()
-                    top_has_gradients[0] = True
-                    grads = [leaf.grad for leaf in leaves]
-                    if self.audit is not None:
-                        for p, g in zip(self.parties[1:], grads[1:]):
-                            self.audit.add_gradients(p.name, epoch, step, rows, g)
-                    losses.append(loss.item())
-                    step += 1
-                    if step % 20 == 0 or step >= total_steps:
-                        self.progress(
-                            f"epoch {epoch + 1}/{self.config.epochs} step {step} loss {np.mean(losses):.4f}",
-                            min(step / total_steps, 1.0),
-                        )
-                    if self.config.max_steps is not None and step >= self.config.max_steps:
-                        break
-                self._step_all(step, grads, None, while_waiting=apply_top_update)  # the flush: no new batch
-                step += 1
-                train_seconds = time.perf_counter() - epoch_start
-                val, _ = self.evaluate(top, self.split.val)
-                row = {"epoch": epoch + 1, "steps": step, "train_loss": float(np.mean(losses))}
-                row |= {f"val_{m}": v for m, v in val.items()}
-                row["train_seconds"] = train_seconds
-                row["seconds"] = time.perf_counter() - epoch_start
-                history.append(row)
-                logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",
-                            self.session_id, epoch + 1, row["train_loss"], metric, val[metric])
-                if best_score is None or better(val[metric], best_score):
-                    best_score, best_epoch, stale = val[metric], epoch + 1, 0
-                    best_top = copy.deepcopy(top.state_dict())
-                    self._all(lambda p: p.mark_best())
-                else:
-                    stale += 1
-                    if stale >= self.config.patience:
-                        logger.info("session %s: early stop after epoch %d", self.session_id, epoch + 1)
-                        break
-                if self.config.max_steps is not None and step >= self.config.max_steps:
+            while True:
+                try:
+                    self._train(loop, optimizer)
                     break
-            restore = self.config.restore_best and best_top is not None
+                except Behind as exc:
+                    if self.checkpoint_dir is None:
+                        raise
+                    loop = self._rollback(loop, optimizer, exc)
+            restore = self.config.restore_best and loop.best_top is not None
             if restore:
-                top.load_state_dict(best_top)
+                top.load_state_dict(loop.best_top)
             self.files = self._all(lambda p: p.finish(restore_best=restore))
             test, scores = self.evaluate(top, self.split.test)
             if self.audit is not None:
@@ -290,11 +267,118 @@ class Coordinator:
                     logger.warning("could not end the training session at %s", p.name)
             self._pool.shutdown(wait=False)
         return TrainingOutcome(
-            session_id=self.session_id, history=history, test_metrics=test, best_epoch=best_epoch, steps=step,
-            split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
-            timings={"total_seconds": time.perf_counter() - started,
+            session_id=self.session_id, history=loop.history, test_metrics=test, best_epoch=loop.best_epoch,
+            steps=loop.step, split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
+            timings={"total_seconds": time.perf_counter() - started, "rollbacks": self.rollbacks,
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )
+
+    def _train(self, loop: _Loop, optimizer: torch.optim.Optimizer) -> None:
+        """Train from ``loop``'s position to the end; ``loop`` always says where training stands."""
+        top = self.top
+        assert top is not None
+        metric, mode = self.task.objective
+        better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
+        steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
+        total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
+        top_has_gradients = [False]
+
+        def apply_top_update() -> None:
+            # The top's optimiser step for step t runs while the parties work on step t+1:
+            # still before the top's next forward, so the computation is unchanged.
+            if top_has_gradients[0]:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                top_has_gradients[0] = False
+
+        while loop.epoch < self.config.epochs and not loop.done:
+            epoch_start = time.perf_counter()
+            batches = epoch_batches(self.split.train, self.config.batch_size, self.config.seed, loop.epoch)
+            capped = self.config.max_steps is not None
+            while loop.batch < len(batches) and not (capped and loop.step >= self.config.max_steps):
+                rows = batches[loop.batch]
+                checkpoint = self._is_checkpoint(loop.step, flush=False)
+                zs = self._step_all(loop.step, loop.grads, rows, while_waiting=apply_top_update, checkpoint=checkpoint)
+                self.train_rows_sent += len(rows)
+                leaves = [z.requires_grad_(True) for z in zs]
+                loss = self.task.loss(top(self.aggregation.combine(leaves)), self.targets[rows])
+                loss.backward()
+                top_has_gradients[0] = True
+                loop.grads = [leaf.grad for leaf in leaves]
+                if self.audit is not None:
+                    for p, g in zip(self.parties[1:], loop.grads[1:]):
+                        self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)
+                loop.losses.append(loss.item())
+                loop.step += 1
+                loop.batch += 1
+                if checkpoint:
+                    apply_top_update()
+                    self._save(loop, optimizer)
+                if loop.step % 20 == 0 or loop.step >= total_steps:
+                    self.progress(
+                        f"epoch {loop.epoch + 1}/{self.config.epochs} step {loop.step} loss {np.mean(loop.losses):.4f}",
+                        min(loop.step / total_steps, 1.0),
+                    )
+            if not loop.flushed:
+                checkpoint = self._is_checkpoint(loop.step, flush=True)
+                self._step_all(loop.step, loop.grads, None, while_waiting=apply_top_update, checkpoint=checkpoint)
+                loop.step += 1
+                loop.grads = [None] * len(self.parties)
+                loop.flushed = True
+                if checkpoint:
+                    self._save(loop, optimizer)
+            train_seconds = time.perf_counter() - epoch_start
+            val, _ = self.evaluate(top, self.split.val)
+            row = {"epoch": loop.epoch + 1, "steps": loop.step, "train_loss": float(np.mean(loop.losses))}
+            row |= {f"val_{m}": v for m, v in val.items()}
+            row["train_seconds"] = train_seconds
+            row["seconds"] = time.perf_counter() - epoch_start
+            loop.history.append(row)
+            logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",
+                        self.session_id, loop.epoch + 1, row["train_loss"], metric, val[metric])
+            if loop.best_score is None or better(val[metric], loop.best_score):
+                loop.best_score, loop.best_epoch, loop.stale = val[metric], loop.epoch + 1, 0
+                loop.best_top = copy.deepcopy(top.state_dict())
+                self._all(lambda p: p.mark_best())
+            else:
+                loop.stale += 1
+                if loop.stale >= self.config.patience:
+                    logger.info("session %s: early stop after epoch %d", self.session_id, loop.epoch + 1)
+                    loop.done = True
+            if self.config.max_steps is not None and loop.step >= self.config.max_steps:
+                loop.done = True
+            loop.next_epoch()
+
+
+@dataclass
+class _Loop:
+    """Where training stands: enough, with the parties' checkpoints, to continue exactly."""
+
+    grads: list[torch.Tensor | None]
+    epoch: int = 0
+    batch: int = 0  # the next batch of this epoch
+    step: int = 0  # the next step number
+    flushed: bool = False
+    losses: list[float] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_score: float | None = None
+    best_epoch: int = -1
+    best_top: dict[str, torch.Tensor] | None = None
+    stale: int = 0
+    done: bool = False
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batch, self.flushed, self.losses = self.epoch + 1, 0, False, []
+
+    def meta(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batch": self.batch, "step": self.step, "flushed": self.flushed,
+                "losses": self.losses, "history": self.history, "best_score": self.best_score,
+                "best_epoch": self.best_epoch, "stale": self.stale, "done": self.done}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], grads: list[torch.Tensor | None]) -> _Loop:
+        return cls(grads=grads, **{k: meta[k] for k in ("epoch", "batch", "step", "flushed", "losses", "history",
+                                                         "best_score", "best_epoch", "stale", "done")})
 
 
 def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from parties.errors import BadMessage, OutOfOrder
+from parties.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
+from parties.errors import BadMessage, Behind, OutOfOrder
 from parties.model import BottomConfig, build_bottom, build_optimizer
 
 __all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
@@ -43,7 +44,7 @@ class BottomTrainer:
         self.optimizer = build_optimizer(self.model.parameters(), config)
         self.next_step = 0
         self._pending: torch.Tensor | None = None
-        self._pending_rows = 0
+        self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
         self._best: dict[str, Any] | None = None
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
@@ -74,7 +75,8 @@ class BottomTrainer:
             return
         if grad is None:
             raise BadMessage(f"step {self.next_step} must carry the gradient of step {self.next_step - 1}")
-        expected = (self._pending_rows, self.width)
+        assert self._pending_index is not None
+        expected = (self._pending_index.numel(), self.width)
         if tuple(grad.shape) != expected:
             raise BadMessage(f"gradient shape {tuple(grad.shape)}; expected {expected}")
         if grad.dtype != torch.float32:
@@ -87,6 +89,8 @@ class BottomTrainer:
         with self._lock:
             if self._last is not None and step == self._last[0]:
                 return self._replay(grad, rows)
+            if step > self.next_step:
+                raise Behind(f"step {step} arrived; expected step {self.next_step}", self.next_step)
             if step != self.next_step:
                 raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
             self._check_grad(grad)
@@ -100,7 +104,7 @@ class BottomTrainer:
             if rows is not None:
                 self.model.train()
                 z = self.model(self.x[rows])
-                self._pending, self._pending_rows = z, rows.numel()
+                self._pending, self._pending_index = z, rows
                 self.releases += rows.numel()
                 out = z.detach()
             self.next_step = step + 1
@@ -134,6 +138,44 @@ class BottomTrainer:
             if self._pending is not None:
                 raise OutOfOrder("flush the pending gradient before marking the best weights")
             self._best = copy.deepcopy(self.model.state_dict())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue exactly from here, as named tensors and JSON."""
+        with self._lock:
+            tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+            optim, optim_meta = flatten_optimizer(self.optimizer, "optim")
+            tensors |= optim
+            if self._pending_index is not None:
+                tensors["pending.rows"] = self._pending_index.clone()
+            if self._best is not None:
+                tensors |= {f"best.{k}": v.clone() for k, v in self._best.items()}
+            last_step = None
+            if self._last is not None:
+                last_step = self._last[0]
+                for name, value in zip(("grad", "rows", "out"), self._last[1:]):
+                    if value is not None:
+                        tensors[f"last.{name}"] = value.detach().clone()
+            meta = {"next_step": self.next_step, "optimizer": optim_meta, "last_step": last_step,
+                    "releases": self.releases}
+            return tensors, meta
+
+    def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint: the pending embedding is recomputed from its rows, bit for bit."""
+        with self._lock:
+            self.model.load_state_dict(checkpoint.section("model"))
+            unflatten_optimizer(self.optimizer, checkpoint.section("optim"), meta["optimizer"])
+            self.next_step, self.releases = meta["next_step"], meta["releases"]
+            best = checkpoint.section("best")
+            self._best = best or None
+            rows = checkpoint.tensors.get("pending.rows")
+            self._pending, self._pending_index = None, None
+            if rows is not None:
+                self.model.train()
+                self._pending, self._pending_index = self.model(self.x[rows]), rows
+            last = checkpoint.section("last")
+            self._last = None
+            if meta["last_step"] is not None:
+                self._last = (meta["last_step"], last.get("grad"), last.get("rows"), last.get("out"))
 
     def restore_best(self) -> bool:
         with self._lock:

@@ -6,6 +6,7 @@ header as row 1), never a customer ID or a value.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -13,11 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_tensors
 
 from alignment.curve import normalize_id
 from parties.errors import DataError
+from parties.files import atomic_write_bytes
 
-__all__ = ["AlignedRows", "FeatureSchema", "PartyTable", "load_party_table", "sniff_separator"]
+__all__ = [
+    "AlignedRows",
+    "FeatureSchema",
+    "PartyTable",
+    "load_alignment",
+    "load_party_table",
+    "save_alignment",
+    "sniff_separator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +183,33 @@ class AlignedRows:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def _table_digest(table: PartyTable) -> str:
+    h = hashlib.sha256()
+    for i in table.normalized_ids:
+        h.update(len(i).to_bytes(4, "little") + i)
+    return h.hexdigest()
+
+
+def save_alignment(folder: Path, table: PartyTable, alignment: AlignedRows) -> None:
+    """Keep the committed alignment on this party's disk, so a restarted service still has it."""
+    blob = save_tensors(
+        {"rows": torch.from_numpy(np.ascontiguousarray(alignment.rows, dtype=np.int64))},
+        metadata={"alignment_id": alignment.alignment_id, "table": _table_digest(table)},
+    )
+    atomic_write_bytes(Path(folder) / "alignment.safetensors", blob)
+
+
+def load_alignment(folder: Path, table: PartyTable) -> AlignedRows | None:
+    """The alignment saved by ``save_alignment``, if it was made on this very table."""
+    path = Path(folder) / "alignment.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        rows = f.get_tensor("rows").numpy()
+    if meta.get("table") != _table_digest(table):
+        logger.warning("ignoring the saved alignment: it was made on another version of %s", table.path.name)
+        return None
+    return AlignedRows(meta["alignment_id"], rows)

@@ -11,7 +11,8 @@ The tree::
     │   ├── PayloadTooLarge         body over the configured limit             -> 413
     │   ├── UnknownSession          no such session (or it expired)            -> 404
     │   └── OutOfOrder              a valid message at the wrong time          -> 409
-    │       └── NotReady            the answer is still being computed; retry  -> 409
+    │       ├── NotReady            the answer is still being computed; retry  -> 409
+    │       └── Behind              the party is behind (restored from a checkpoint) -> 409
     ├── Forbidden                   the caller's certificate lacks the role    -> 403
     ├── AlignmentError              private set intersection could not finish  -> 422
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
@@ -29,6 +30,7 @@ __all__ = [
     "AlignmentError",
     "AlignmentMismatch",
     "BadMessage",
+    "Behind",
     "ConfigError",
     "CutlayerError",
     "DataError",
@@ -85,6 +87,14 @@ class OutOfOrder(ProtocolError):
 
 class NotReady(OutOfOrder):
     pass
+
+
+class Behind(OutOfOrder):
+    """A step from the future: this party restarted from an earlier checkpoint."""
+
+    def __init__(self, message: str, next_step: int | None = None) -> None:
+        super().__init__(message)
+        self.next_step = next_step
 
 
 class Forbidden(CutlayerError):

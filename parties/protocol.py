@@ -19,7 +19,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "AlignmentInfo",
     "AlignmentRequest",
+    "CheckpointList",
     "ErrorResponse",
+    "RestoreRequest",
     "FinishRequest",
     "ModelFiles",
     "TrainSessionInfo",
@@ -101,3 +103,12 @@ class ModelFiles(Message):
 
     session: str
     files: dict[str, str] = Field(default_factory=dict)
+
+
+class CheckpointList(Message):
+    session: str
+    steps: list[int]
+
+
+class RestoreRequest(Message):
+    step: int = Field(ge=0)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from parties.bottom import BottomTrainer
+from parties.checkpoint import read_checkpoint, write_checkpoint
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage
 from parties.features import TabularEncoder
@@ -48,6 +49,41 @@ class PartySession:
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
                     session_id, n, self.encoder.width, config.cut_width)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self, folder: Path) -> int:
+        """Write the state after the last processed step; returns that step."""
+        tensors, trainer_meta = self.trainer.state()
+        step = trainer_meta["next_step"] - 1
+        meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
+                "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json")}
+        write_checkpoint(folder, step, tensors, meta)
+        return step
+
+    def restore(self, folder: Path, step: int) -> None:
+        """Roll this session back (or forward) to its checkpoint at ``step``."""
+        checkpoint = read_checkpoint(folder, step)
+        if checkpoint.meta["session"] != self.session_id:
+            raise BadMessage(f"the checkpoint at step {step} belongs to another session")
+        self.trainer.load_state(checkpoint, checkpoint.meta["trainer"])
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, step: int, table: PartyTable, alignment: AlignedRows) -> PartySession:
+        """Rebuild a session after a restart, from its own checkpoint and this party's own table."""
+        checkpoint = read_checkpoint(folder, step)
+        meta = checkpoint.meta
+        if meta["alignment_id"] != alignment.alignment_id:
+            raise BadMessage(f"the checkpoint is for alignment {meta['alignment_id']}, not {alignment.alignment_id}")
+        self = cls.__new__(cls)
+        self.session_id, self.alignment_id = meta["session"], meta["alignment_id"]
+        self.config = BottomConfig.model_validate(meta["config"])
+        self.encoder = TabularEncoder.from_dict(meta["encoder"])
+        self.trainer = BottomTrainer(self.encoder.transform(table.features.iloc[alignment.rows]), self.config)
+        self.trainer.load_state(checkpoint, meta["trainer"])
+        self.last_used = time.monotonic()
+        logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
+        return self
 
     def save(self, directory: Path) -> dict[str, str]:
         """Write this party's own model files; return ``{file name: sha256}``."""

@@ -96,6 +96,9 @@ class BankSettings(ServiceSettings):
     label: str = "y"
     partners: dict[str, str] = Field(default_factory=dict)
     peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
+    peer_retry_deadline: float = Field(
+        120.0, gt=0, description="seconds a silent partner is retried (it may be restarting) before training stops"
+    )
 
     @field_validator("partners")
     @classmethod

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,7 +17,9 @@ from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage, OutOfOrder, UnknownSession
 from parties.protocol import AlignmentInfo, ModelFiles, PsiOpenRequest, PsiOpenResponse, TrainSessionInfo
+from parties.checkpoint import checkpoint_steps
 from parties.session import PartySession
+from parties.dataset import load_alignment, save_alignment
 from parties.settings import PartnerSettings
 
 __all__ = ["PartnerCore"]
@@ -39,7 +42,7 @@ class PartnerCore:
         )
         self._sessions: dict[str, PsiResponder] = {}
         self._lock = threading.Lock()
-        self.alignment: AlignedRows | None = None
+        self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self._training: dict[str, PartySession] = {}
 
     def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
@@ -75,6 +78,7 @@ class PartnerCore:
         rows = responder.finish(positions, digest, WAIT_SECONDS)
         check_minimum(len(rows), self.settings.min_intersection, "the bank")
         self.alignment = AlignedRows(alignment_id, rows)
+        save_alignment(self.settings.state_path, self.table, self.alignment)
         with self._lock:
             self._sessions.pop(session_id, None)
         logger.info("alignment %s committed: %d rows", alignment_id, len(rows))
@@ -99,13 +103,39 @@ class PartnerCore:
             self._training[session_id] = session
         return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
 
+    def checkpoint_dir(self, session_id: str) -> Path:
+        if not session_id.isalnum():
+            raise BadMessage("a session id is letters and digits")
+        return self.settings.state_path / "training" / session_id
+
     def training(self, session_id: str) -> PartySession:
+        """The live session, or, after a restart, the session rebuilt from its latest checkpoint."""
         with self._lock:
             session = self._training.get(session_id)
-        if session is None:
-            raise UnknownSession(f"no training session {session_id}")
+            if session is None:
+                session = self._from_checkpoint(session_id)
         session.last_used = time.monotonic()
         return session
+
+    def _from_checkpoint(self, session_id: str) -> PartySession:
+        folder = self.checkpoint_dir(session_id)
+        steps = checkpoint_steps(folder)
+        if not steps or self.alignment is None:
+            raise UnknownSession(f"no training session {session_id}")
+        session = PartySession.from_checkpoint(folder, steps[-1], self.table, self.alignment)
+        self._training[session_id] = session
+        return session
+
+    def checkpoints(self, session_id: str) -> list[int]:
+        self.training(session_id)
+        return checkpoint_steps(self.checkpoint_dir(session_id))
+
+    def checkpoint(self, session_id: str) -> int:
+        session = self.training(session_id)
+        return session.checkpoint(self.checkpoint_dir(session_id))
+
+    def restore(self, session_id: str, step: int) -> None:
+        self.training(session_id).restore(self.checkpoint_dir(session_id), step)
 
     def finish_training(self, session_id: str, restore_best: bool) -> ModelFiles:
         session = self.training(session_id)

@@ -20,10 +20,12 @@ from parties.protocol import (
     DIGEST_HEADER,
     OCTET_STREAM,
     AlignmentInfo,
+    CheckpointList,
     FinishRequest,
     ModelFiles,
     PsiOpenRequest,
     PsiOpenResponse,
+    RestoreRequest,
     TrainSessionInfo,
 )
 from parties.wire import SAFETENSORS, WireMessage, decode, encode
@@ -139,6 +141,8 @@ async def step(request: Request) -> Response:
     message = await _message(request, c, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
     z = trainer.step(number, message.get("grad"), message.get("rows"))
+    if message.meta.get("checkpoint") == "1":  # every party checkpoints after the same step
+        c.checkpoint(session_id)
     return _tensors({} if z is None else {"embedding": z}, session=session_id, step=number)
 
 
@@ -162,6 +166,17 @@ async def mark_best(session_id: str, c: PartnerCore = Depends(core)) -> Response
 @train.post("/{session_id}/finish", response_model=ModelFiles)
 async def finish(session_id: str, body: FinishRequest, c: PartnerCore = Depends(core)) -> ModelFiles:
     return await run_in_threadpool(c.finish_training, session_id, body.restore_best)
+
+
+@train.get("/{session_id}/checkpoints", response_model=CheckpointList)
+async def checkpoints(session_id: str, c: PartnerCore = Depends(core)) -> CheckpointList:
+    return CheckpointList(session=session_id, steps=await run_in_threadpool(c.checkpoints, session_id))
+
+
+@train.post("/{session_id}/restore", status_code=204)
+async def restore(session_id: str, body: RestoreRequest, c: PartnerCore = Depends(core)) -> Response:
+    await run_in_threadpool(c.restore, session_id, body.step)
+    return Response(status_code=204)
 
 
 @train.delete("/{session_id}", status_code=204)

@@ -6,7 +6,6 @@ import ssl
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pandas as pd
 import pytest
 

@@ -12,7 +12,7 @@ from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
 from bank.config import TrainingConfig
 from bank.operator import BankOperator
-from bank.proxy import InProcessParty
+from bank.local import InProcessParty
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing

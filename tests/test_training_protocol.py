@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as raw_safetensors
 
 from bank.config import TrainingConfig
-from bank.proxy import InProcessParty
+from bank.local import InProcessParty
 from data.prepare import prepare_bank_marketing
 from parties.client import make_client
 from parties.errors import CutlayerError

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
 from bank.config import TrainingConfig
-from bank.proxy import HttpPartner, InProcessParty
+from bank.local import InProcessParty
+from bank.proxy import HttpPartner
 from bank.task import Task
 from bank.trainer import Coordinator
 from bank.unsplit import UnsplitModel

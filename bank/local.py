@@ -1,0 +1,88 @@
+"""A party called in this process: the bank's own bottom model (and, in tests, any party's session)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from parties.checkpoint import checkpoint_steps
+from parties.dataset import AlignedRows, PartyTable
+from parties.errors import BadMessage, PeerError
+from parties.model import BottomConfig
+from parties.protocol import ModelFiles
+from parties.session import PartySession
+
+__all__ = ["InProcessParty"]
+
+
+class InProcessParty:
+    """A party's training session called directly (the bank's own bottom; contract tests)."""
+
+    def __init__(
+        self,
+        name: str,
+        table: PartyTable,
+        alignment: Callable[[], AlignedRows],
+        config: BottomConfig,
+        model_dir: Callable[[str], Path] | None = None,
+        checkpoint_dir: Callable[[str], Path] | None = None,
+    ) -> None:
+        self.name, self.table, self._alignment, self.config = name, table, alignment, config
+        self._model_dir, self._checkpoint_dir = model_dir, checkpoint_dir
+        self.session: PartySession | None = None
+
+    def _live(self) -> PartySession:
+        if self.session is None:
+            raise PeerError(f"{self.name}: no training session")
+        return self.session
+
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+        alignment = self._alignment()
+        if alignment.alignment_id != alignment_id:
+            raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
+        self.session = PartySession(session_id, self.table, alignment, train_positions, self.config)
+        return self.session.trainer.width
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        return self._live().trainer.step(step, grad, rows)
+
+    def submit_step(
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+    ) -> Callable[[], torch.Tensor | None]:
+        def run() -> torch.Tensor | None:
+            z = self.step(step, grad, rows)
+            if checkpoint:
+                self._live().checkpoint(self._folder())
+            return z
+
+        return run
+
+    def _folder(self) -> Path:
+        if self._checkpoint_dir is None:
+            raise PeerError(f"{self.name}: no checkpoint folder configured")
+        return self._checkpoint_dir(self._live().session_id)
+
+    def checkpoints(self) -> list[int]:
+        return checkpoint_steps(self._folder())
+
+    def restore(self, step: int) -> None:
+        self._live().restore(self._folder(), step)
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._live().trainer.embed(rows)
+
+    def mark_best(self) -> None:
+        self._live().trainer.mark_best()
+
+    def finish(self, restore_best: bool) -> ModelFiles:
+        session = self._live()
+        if restore_best:
+            session.trainer.restore_best()
+        files = session.save(self._model_dir(session.session_id)) if self._model_dir is not None else {}
+        return ModelFiles(session=session.session_id, files=files)
+
+    def end(self) -> None:
+        self.session = None
+

@@ -1,0 +1,94 @@
+"""Checkpoints: a party's training state in one safetensors file, written atomically, never pickled.
+
+A checkpoint is ``<folder>/step-<n>.safetensors``: tensors (model weights,
+optimiser moments, whatever else the state holds) plus a JSON document in the
+metadata (step counters, optimiser hyper-parameters, positions). It is written
+to a temporary file, fsynced and renamed, so a crash during a save leaves the
+previous checkpoints intact and no half-written one. The last ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from parties.errors import DataError
+from parties.files import atomic_write_bytes
+
+__all__ = ["Checkpoint", "checkpoint_steps", "flatten_optimizer", "read_checkpoint", "unflatten_optimizer",
+           "write_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d+)\.safetensors$")
+
+
+class Checkpoint:
+    def __init__(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.step, self.tensors, self.meta = step, tensors, meta
+
+    def section(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) + 1 :]: v for k, v in self.tensors.items() if k.startswith(prefix + ".")}
+
+
+def flatten_optimizer(optimizer: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimiser's state as named tensors plus JSON (hyper-parameters, non-tensor values)."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}.{index}.{key}"] = value.detach().clone().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    for index, entry in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(entry)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def write_checkpoint(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int = 2) -> Path:
+    path = Path(folder) / f"step-{step}.safetensors"
+    blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata={"cutlayer": json.dumps(meta)})
+    atomic_write_bytes(path, blob)
+    for old in checkpoint_steps(folder)[:-keep]:
+        (Path(folder) / f"step-{old}.safetensors").unlink(missing_ok=True)
+    logger.info("checkpoint at step %d written", step)
+    return path
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    """The steps with a complete checkpoint in ``folder``, oldest first."""
+    if not Path(folder).is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in Path(folder).iterdir() if (m := _NAME.match(p.name)))
+
+
+def read_checkpoint(folder: Path, step: int) -> Checkpoint:
+    path = Path(folder) / f"step-{step}.safetensors"
+    try:
+        blob = path.read_bytes()
+        tensors = load_tensors(blob)
+        header_len = int.from_bytes(blob[:8], "little")
+        meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["cutlayer"])
+    except FileNotFoundError as exc:
+        raise DataError(f"{path}: no checkpoint at step {step}") from exc
+    except (SafetensorError, ValueError, KeyError) as exc:
+        raise DataError(f"{path}: not a readable checkpoint ({exc})") from exc
+    return Checkpoint(step, tensors, meta)
