@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--aggregation", choices=["concat", "sum", "mean"], default=None)
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--audit", action="store_true", default=None, help="record what crossed the cut, for analysis")
+    t.add_argument("--resume", metavar="SESSION", default=None,
+                   help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     t.add_argument("--log-level", default="WARNING")
 
     r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     bar.n = int(1000 * (job.fraction or 0))
                     bar.set_postfix_str(job.progress[:60])
 
-                result = operator.wait(operator.start_training(config), on_progress=show)
+                job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
+                result = operator.wait(job, on_progress=show)
         print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
         return 0
     if args.command == "align":

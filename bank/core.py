@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 from alignment.parallel import WorkerPool
@@ -15,8 +17,9 @@ from bank.results import write_run
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
-from parties.dataset import AlignedRows, PartyTable
-from parties.errors import ConfigError, OutOfOrder
+from parties.dataset import AlignedRows, PartyTable, load_alignment, save_alignment
+from parties.errors import BadMessage, ConfigError, OutOfOrder, UnknownSession
+from parties.files import atomic_write_text
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest
 from parties.settings import BankSettings
@@ -55,7 +58,7 @@ class BankCore:
         self.settings, self.table = settings, table
         self.pool = WorkerPool(settings.workers)
         self.jobs = JobRunner()
-        self.alignment: AlignedRows | None = None
+        self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.pairwise: dict[str, int] = {}
 
     def partners(self, names: list[str] | None) -> dict[str, str]:
@@ -81,6 +84,7 @@ class BankCore:
                 progress=progress,
             )
         self.alignment, self.pairwise = alignment, pairwise
+        save_alignment(self.settings.state_path, self.table, alignment)
         return AlignmentInfo(alignment_id=alignment.alignment_id, rows=len(alignment), pairwise=pairwise)
 
     def start_alignment(self, request: AlignmentRequest) -> Job:
@@ -91,17 +95,23 @@ class BankCore:
 
         return self.jobs.submit("alignment", work)
 
-    def train(self, config: TrainingConfig, progress: Progress) -> dict[str, Any]:
-        """Train across the bank and its partners on the current alignment; write the run folder."""
+    def train(self, config: TrainingConfig, progress: Progress, resume: str | None = None) -> dict[str, Any]:
+        """Train across the bank and its partners on the current alignment; write the run folder.
+
+        ``resume``: continue that session from the latest step every party has checkpointed
+        (after the bank stopped), with the configuration it started with.
+        """
         alignment = self.alignment
         if alignment is None:
             raise OutOfOrder("no alignment yet: align before training")
+        runs = self.settings.state_path / "runs"
+        if resume is not None:
+            config = self._resumable(runs, resume, alignment)
         assert self.table.labels is not None
         labels = self.table.labels.iloc[alignment.rows]
         task = Task(config.task, config.positive_label).fit(labels)
         targets = task.targets(labels)
         urls = self.partners(config.partners)
-        runs = self.settings.state_path / "runs"
         me = PeerIdentity(self.settings.name, "bank")
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             partners = [
@@ -116,14 +126,17 @@ class BankCore:
                 model_dir=lambda session: runs / session / "model" / "bank",
                 checkpoint_dir=lambda session: runs / session / "checkpoints" / "bank-bottom",
             )
-            session_id = uuid.uuid4().hex
+            session_id = resume or uuid.uuid4().hex
+            if resume is None:
+                atomic_write_text(runs / session_id / "training.json", json.dumps(
+                    {"alignment_id": alignment.alignment_id, "config": config.model_dump(mode="json")}, indent=2))
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
                 session_id=session_id, progress=lambda msg, frac=None: progress(msg, frac),
                 checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
-            progress("starting the parties' sessions", 0.0)
-            outcome = coordinator.run()
+            progress("resuming" if resume else "starting the parties' sessions", 0.0)
+            outcome = coordinator.run(resume=resume is not None)
         communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
         files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
         run_dir = runs / outcome.session_id
@@ -134,6 +147,24 @@ class BankCore:
             bank_rows=alignment.rows,
         )
         return {"run_dir": str(run_dir), **metrics}
+
+    def _resumable(self, runs: Path, session_id: str, alignment: AlignedRows) -> TrainingConfig:
+        if not session_id.isalnum():
+            raise BadMessage("a session id is letters and digits")
+        try:
+            started = json.loads((runs / session_id / "training.json").read_text())
+        except FileNotFoundError as exc:
+            raise UnknownSession(f"no training session {session_id} to resume") from exc
+        if started["alignment_id"] != alignment.alignment_id:
+            raise OutOfOrder(f"session {session_id} trained on alignment {started['alignment_id']}, "
+                             f"not on the current {alignment.alignment_id}")
+        return TrainingConfig.model_validate(started["config"])
+
+    def start_resume(self, session_id: str) -> Job:
+        if self.alignment is None:
+            raise OutOfOrder("no alignment: a resumed session needs the alignment it trained on")
+        self._resumable(self.settings.state_path / "runs", session_id, self.alignment)
+        return self.jobs.submit("training", lambda progress: self.train(TrainingConfig(), progress, resume=session_id))
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:

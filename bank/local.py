@@ -67,6 +67,17 @@ class InProcessParty:
     def checkpoints(self) -> list[int]:
         return checkpoint_steps(self._folder())
 
+    def attach(self, session_id: str, width: int) -> None:
+        if self._checkpoint_dir is None:
+            raise PeerError(f"{self.name}: no checkpoint folder configured")
+        folder = self._checkpoint_dir(session_id)
+        steps = checkpoint_steps(folder)
+        if not steps:
+            raise PeerError(f"{self.name}: no checkpoint of session {session_id}")
+        self.session = PartySession.from_checkpoint(folder, steps[-1], self.table, self._alignment())
+        if self.session.trainer.width != width:
+            raise PeerError(f"{self.name}: the checkpoint's width {self.session.trainer.width} is not {width}")
+
     def restore(self, step: int) -> None:
         self._live().restore(self._folder(), step)
 

@@ -49,6 +49,9 @@ class BankOperator:
         body = (config or TrainingConfig()).model_dump(mode="json")
         return JobStatus.model_validate(self._request("POST", "/trainings", json=body).json())
 
+    def resume_training(self, session_id: str) -> JobStatus:
+        return JobStatus.model_validate(self._request("POST", f"/trainings/{session_id}/resume").json())
+
     def job(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("GET", f"/jobs/{job_id}").json())
 

@@ -73,6 +73,10 @@ class TrainingParty(Protocol):
         """The steps this party holds a checkpoint for."""
         ...
 
+    def attach(self, session_id: str, width: int) -> None:
+        """Rejoin a session this party already has (after the bank restarted)."""
+        ...
+
     def restore(self, step: int) -> None:
         """Roll back to this party's checkpoint at ``step``."""
         ...
@@ -299,6 +303,9 @@ class HttpPartner:
 
     def mark_best(self) -> None:
         self._call("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+
+    def attach(self, session_id: str, width: int) -> None:
+        self.session_id, self.width = session_id, width
 
     def checkpoints(self) -> list[int]:
         response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")

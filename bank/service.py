@@ -41,6 +41,11 @@ async def start_training(body: TrainingConfig, c: BankCore = Depends(core)) -> J
     return c.start_training(body).status()
 
 
+@coordinator.post("/trainings/{session_id}/resume", status_code=202, response_model=JobStatus)
+async def resume_training(session_id: str, c: BankCore = Depends(core)) -> JobStatus:
+    return c.start_resume(session_id).status()
+
+
 @coordinator.get("/jobs/{job_id}", response_model=JobStatus)
 async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.jobs.get(job_id).status()

@@ -29,7 +29,7 @@ from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.task import Task
 from parties.checkpoint import checkpoint_steps, flatten_optimizer, read_checkpoint, unflatten_optimizer, write_checkpoint
-from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable
+from parties.errors import Behind, ConfigError, CutlayerError, PeerError, PeerUnavailable
 from parties.model import build_optimizer, mlp
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -161,7 +161,10 @@ class Coordinator:
         train = torch.from_numpy(self.split.train.astype(np.int64))
         widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train))
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
-        width = self.aggregation.width(widths)
+        return self._build_top()
+
+    def _build_top(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        width = self.aggregation.width([self.widths[p.name] for p in self.parties])
         top = mlp(width, self.config.top.hidden, self.task.output_dim, activate_output=False, seed=self.config.top.seed)
         return top, build_optimizer(top.parameters(), self.config.top)
 
@@ -200,10 +203,10 @@ class Coordinator:
         tensors |= {f"grads.{i}": g for i, g in enumerate(loop.grads) if g is not None}
         if loop.best_top is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
-        meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id}
+        meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths}
         write_checkpoint(self.checkpoint_dir, loop.step - 1, tensors, meta)
 
-    def _rollback(self, loop: _Loop, optimizer: torch.optim.Optimizer, cause: Exception) -> _Loop:
+    def _rollback(self, loop: _Loop, optimizer: torch.optim.Optimizer, cause: Exception | str) -> _Loop:
         """Every party back to the latest step all of them have checkpointed."""
         assert self.top is not None and self.checkpoint_dir is not None
         common = set(checkpoint_steps(self.checkpoint_dir))
@@ -225,6 +228,24 @@ class Coordinator:
         self.rollbacks += 1
         return restored
 
+    def _reattach(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """After the bank restarted: find the session's parties again, from the bank's own checkpoints."""
+        steps = checkpoint_steps(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        if not steps:
+            raise ConfigError(f"session {self.session_id} has no checkpoint to resume from")
+        assert self.checkpoint_dir is not None
+        self.widths = read_checkpoint(self.checkpoint_dir, steps[-1]).meta["widths"]
+        for p in self.parties:
+            self._retrying(p, lambda p=p: p.attach(self.session_id, self.widths[p.name]))
+        return self._build_top()
+
+    def _last_consistent(self) -> str:
+        """Say which step every party can go back to (the bank checkpoints only after all parties did)."""
+        steps = checkpoint_steps(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        if not steps:
+            return "no step is checkpointed by every party yet"
+        return f"the last step every party has checkpointed is {steps[-1]} (session {self.session_id})"
+
     def _retrying(self, party: TrainingParty, call: Callable[[], Any]) -> Any:
         """A control call to a party that may still be restarting: retried until the party's deadline."""
         deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
@@ -238,11 +259,17 @@ class Coordinator:
 
     # --- the loop --------------------------------------------------------------------------
 
-    def run(self) -> TrainingOutcome:
+    def run(self, resume: bool = False) -> TrainingOutcome:
+        """Train from the start, or (``resume``) from the latest step every party has checkpointed."""
         started = time.perf_counter()
-        top, optimizer = self._start()
-        self.top = top
-        loop = _Loop(grads=[None] * len(self.parties))
+        if resume:
+            top, optimizer = self._reattach()
+            self.top = top
+            loop = self._rollback(_Loop(grads=[]), optimizer, "resuming after the bank stopped")
+        else:
+            top, optimizer = self._start()
+            self.top = top
+            loop = _Loop(grads=[None] * len(self.parties))
         try:
             while True:
                 try:
@@ -252,6 +279,8 @@ class Coordinator:
                     if self.checkpoint_dir is None:
                         raise
                     loop = self._rollback(loop, optimizer, exc)
+                except PeerUnavailable as exc:
+                    raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc
             restore = self.config.restore_best and loop.best_top is not None
             if restore:
                 top.load_state_dict(loop.best_top)

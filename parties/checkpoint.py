@@ -65,6 +65,9 @@ def unflatten_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
 
 def write_checkpoint(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int = 2) -> Path:
     path = Path(folder) / f"step-{step}.safetensors"
+    if Path(folder).is_dir():  # temporary files a crash left behind (one writer per folder)
+        for stale in Path(folder).glob(".step-*.safetensors.*"):
+            stale.unlink(missing_ok=True)
     blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata={"cutlayer": json.dumps(meta)})
     atomic_write_bytes(path, blob)
     for old in checkpoint_steps(folder)[:-keep]:

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
 from bank.config import TrainingConfig
+from bank.operator import BankOperator
 from bank.local import InProcessParty
 from bank.proxy import HttpPartner
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
+from parties.checkpoint import checkpoint_steps, read_checkpoint
 from parties.client import make_channel, make_client
+from parties.errors import PeerUnavailable
 from parties.dataset import load_party_table
 from parties.model import BottomConfig
 from parties.process import ServiceProcess
@@ -107,3 +113,108 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(pki, b
         assert state_equal(saved(a / "bottom.safetensors"), saved(b / "bottom.safetensors"))
     assert outcome.test_metrics == clean.test_metrics
     assert [h["train_loss"] for h in outcome.history] == [h["train_loss"] for h in clean.history]
+
+
+def test_a_partner_down_past_the_deadline_stops_training_with_a_clear_message(pki, bank_full: Path, tmp_path: Path) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
+    partner = PartnerProcess(pki, paths["partner"], tmp_path / "partner")
+    table = load_party_table(paths["bank"], "customer_id", "y")
+    tls = TLSFiles.from_dir(pki, "bank")
+    me, them = PeerIdentity("bank", "bank"), PeerIdentity("partner", "partner")
+    url = f"https://127.0.0.1:{partner.port}"
+    try:
+        with make_client(tls, caller=me) as client, WorkerPool(1) as pool:
+            alignment, _ = align_with_partners(table, {"partner": HttpPartner("partner", url, client)}, pool)
+
+            class DyingPartner(HttpPartner):
+                def submit_step(self, step: int, *args: object, **kwargs: object) -> Callable[[], torch.Tensor | None]:
+                    if step == 8 and partner.process.proc.poll() is None:
+                        partner.process.proc.send_signal(signal.SIGKILL)  # and nobody restarts it
+                        partner.process.proc.wait()
+                    return super().submit_step(step, *args, **kwargs)  # type: ignore[arg-type]
+
+            dying = DyingPartner("partner", url, client, channel=make_channel(tls, url, expect=them, caller=me),
+                                 retry_deadline=1.5)
+            config = TrainingConfig(epochs=2, batch_size=64, checkpoint_every=5)
+            coordinator = _coordinator(table, alignment, dying, config, tmp_path / "bank", "s")
+            with pytest.raises(PeerUnavailable) as info:
+                coordinator.run()
+    finally:
+        partner.process.stop()
+    message = str(info.value)
+    assert "partner 'partner'" in message and "did not answer" in message
+    assert "the last step every party has checkpointed is 4 (session s)" in message
+
+
+def test_a_kill_during_a_save_leaves_only_whole_checkpoints(tmp_path: Path) -> None:
+    script = (
+        "import sys, torch\n"
+        "from parties.checkpoint import write_checkpoint\n"
+        "big = {'w': torch.randn(4_000_000)}\n"
+        "for step in range(10_000):\n"
+        "    write_checkpoint(sys.argv[1], step, big, {'step': step}, keep=3)\n"
+    )
+    folder = tmp_path / "checkpoints"
+    writer = subprocess.Popen([sys.executable, "-c", script, str(folder)])
+    deadline = time.monotonic() + 60
+    while len(checkpoint_steps(folder)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.137)  # somewhere in the middle of another save
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    steps = checkpoint_steps(folder)
+    assert len(steps) >= 2
+    for step in steps:  # every checkpoint that exists is whole and readable
+        checkpoint = read_checkpoint(folder, step)
+        assert checkpoint.meta == {"step": step} and checkpoint.tensors["w"].numel() == 4_000_000
+
+
+def test_the_bank_killed_mid_training_resumes_to_the_bit_identical_model(pki, bank_full: Path, tmp_path: Path) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False)
+    partner = PartnerProcess(pki, paths["partner"], tmp_path / "partner")
+    state = tmp_path / "bank"
+    bank_args = ["--name", "bank", "--data", str(paths["bank"]), "--label", "y", "--tls-dir", str(pki),
+                 "--state-dir", str(state), f"--partner=partner=https://127.0.0.1:{partner.port}", "--workers", "1"]
+
+    def start_bank(n: int) -> ServiceProcess:
+        process = ServiceProcess("bank", bank_args, state / "ready.json", state / f"log-{n}.txt")
+        process.wait_ready()
+        return process
+
+    tls = TLSFiles.from_dir(pki, "bank")
+    config = TrainingConfig(epochs=12, batch_size=64, checkpoint_every=5, patience=50, restore_best=False)
+    bank = start_bank(1)
+    try:
+        with BankOperator(bank.url, tls) as op:
+            op.wait(op.start_alignment())
+            clean = op.wait(op.start_training(config))
+            op.start_training(config)
+            runs = state / "runs"
+            deadline = time.monotonic() + 120
+
+            def checkpointed_past_40() -> str | None:
+                for folder in runs.iterdir():
+                    steps = checkpoint_steps(folder / "checkpoints" / "coordinator")
+                    if folder.name != clean["session"] and steps and steps[-1] >= 40:
+                        return folder.name
+                return None
+
+            while (session := checkpointed_past_40()) is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            bank.proc.send_signal(signal.SIGKILL)
+            bank.proc.wait()
+        assert not (runs / session / "metrics.json").exists()  # it really died mid-training
+        bank = start_bank(2)
+        with BankOperator(bank.url, tls) as op:
+            resumed = op.wait(op.resume_training(session))
+    finally:
+        bank.stop()
+        partner.process.stop()
+
+    assert resumed["session"] == session and resumed["steps"] == clean["steps"]
+    assert resumed["timings"]["rollbacks"] == 1
+    for a, b in ((runs / clean["session"] / "model", runs / session / "model"),
+                 (tmp_path / "partner" / "models" / clean["session"], tmp_path / "partner" / "models" / session)):
+        for name in ("top.safetensors", "bank/bottom.safetensors") if "runs" in str(a) else ("bottom.safetensors",):
+            assert state_equal(saved(a / name), saved(b / name)), name
+    assert resumed["test"] == clean["test"]
