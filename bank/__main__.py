@@ -74,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     t.add_argument("--log-level", default="WARNING")
 
+    sc = sub.add_parser("score", help="score new customers with a trained model, through the running bank service")
+    sc.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
+    sc.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
+    sc.add_argument("--tls-dir", type=Path, default=None)
+    sc.add_argument("--insecure", action="store_true")
+    sc.add_argument("--model", required=True, help="the model id (its training session)")
+    sc.add_argument("--data", type=Path, required=True, help="CSV of customer IDs and the bank's own columns")
+    sc.add_argument("--out", type=Path, required=True, help="where to write the scores (CSV)")
+    sc.add_argument("--allow-missing", action="store_true",
+                    help="score customers a partner lacks without that partner (its embedding set to zero)")
+    sc.add_argument("--log-level", default="WARNING")
+
     r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
     r.add_argument("run", type=Path, nargs="?", default=None, help="run folder (default: the latest under runs/)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")
         return 0
-    if args.command in ("align", "train"):
+    if args.command in ("align", "train", "score"):
         if args.tls_dir is None and not args.insecure:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
@@ -151,6 +163,23 @@ def main(argv: list[str] | None = None) -> int:
                 job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
                 result = operator.wait(job, on_progress=show)
         print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+        return 0
+    if args.command == "score":
+        try:
+            csv = args.data.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{args.data}: cannot read ({exc.strerror})") from exc
+        with BankOperator(args.url, tls, args.name) as operator:
+            with tqdm(total=1000, desc="scoring", bar_format="{l_bar}{bar}| {postfix}") as bar:
+
+                def show_score(job: JobStatus) -> None:
+                    bar.n = int(1000 * (job.fraction or 0))
+                    bar.set_postfix_str(job.progress[:60])
+
+                job = operator.start_scoring(args.model, csv, args.allow_missing)
+                result = operator.wait(job, on_progress=show_score)
+            args.out.write_bytes(operator.scores(job.job_id))
+        print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
         return 0
     if args.command == "align":
         request = AlignmentRequest(

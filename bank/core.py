@@ -8,18 +8,22 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from alignment.parallel import WorkerPool
 from bank.alignment import align_with_partners
 from bank.config import TrainingConfig
 from bank.local import InProcessParty
 from bank.proxy import HttpPartner
+from bank.manifest import read_manifest
 from bank.results import write_run
+from bank.scoring import score_customers
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
-from parties.dataset import AlignedRows, PartyTable, load_alignment, save_alignment
+from parties.dataset import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
 from parties.errors import BadMessage, ConfigError, OutOfOrder, UnknownSession
-from parties.files import atomic_write_text
+from parties.files import atomic_write_bytes, atomic_write_text
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest
 from parties.settings import BankSettings
@@ -112,15 +116,8 @@ class BankCore:
         task = Task(config.task, config.positive_label).fit(labels)
         targets = task.targets(labels)
         urls = self.partners(config.partners)
-        me = PeerIdentity(self.settings.name, "bank")
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
-            partners = [
-                HttpPartner(name, url, client, channel=make_channel(
-                    self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
-                    timeout=self.settings.peer_timeout,
-                ), retry_deadline=self.settings.peer_retry_deadline)
-                for name, url in urls.items()
-            ]
+            partners = list(self._proxies(client, list(urls)).values())
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
                 model_dir=lambda session: runs / session / "model" / "bank",
@@ -165,6 +162,46 @@ class BankCore:
             raise OutOfOrder("no alignment: a resumed session needs the alignment it trained on")
         self._resumable(self.settings.state_path / "runs", session_id, self.alignment)
         return self.jobs.submit("training", lambda progress: self.train(TrainingConfig(), progress, resume=session_id))
+
+    # --- scoring ------------------------------------------------------------------------------
+
+    def _proxies(self, client: httpx.Client, names: list[str]) -> dict[str, HttpPartner]:
+        me = PeerIdentity(self.settings.name, "bank")
+        urls = self.partners(names)
+        return {
+            name: HttpPartner(name, url, client, channel=make_channel(
+                self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
+                timeout=self.settings.peer_timeout,
+            ), retry_deadline=self.settings.peer_retry_deadline)
+            for name, url in urls.items()
+        }
+
+    def model_dir(self, model_id: str) -> Path:
+        if not model_id.isalnum():
+            raise BadMessage("a model id is letters and digits")
+        folder = self.settings.state_path / "runs" / model_id / "model"
+        if not (folder / "manifest.json").exists():
+            raise UnknownSession(f"no trained model {model_id}")
+        return folder
+
+    def score(self, model_id: str, upload: Path, allow_missing: bool, progress: Progress) -> dict[str, Any]:
+        model_dir = self.model_dir(model_id)
+        table = load_party_table(upload, self.settings.id_column, schema_path=None)
+        names = [p.name for p in read_manifest(model_dir).parties[1:]]
+        with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
+            scores = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,
+                                     allow_missing=allow_missing, progress=progress)
+        out = upload.with_name("scores.csv")
+        scores.to_csv(out, index=False)
+        scored = int(scores["status"].str.startswith("scored").sum())
+        return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
+                "unscorable": len(scores) - scored}
+
+    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
+        self.model_dir(model_id)
+        upload = self.settings.state_path / "scores" / uuid.uuid4().hex / "customers.csv"
+        atomic_write_bytes(upload, csv)
+        return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, allow_missing, progress))
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:

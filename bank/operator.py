@@ -52,6 +52,14 @@ class BankOperator:
     def resume_training(self, session_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("POST", f"/trainings/{session_id}/resume").json())
 
+    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False) -> JobStatus:
+        response = self._request("POST", "/scorings", content=csv, headers={"content-type": "text/csv"},
+                                 params={"model": model_id, "allow_missing": str(allow_missing).lower()})
+        return JobStatus.model_validate(response.json())
+
+    def scores(self, job_id: str) -> bytes:
+        return self._request("GET", f"/scorings/{job_id}/scores.csv").content
+
     def job(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("GET", f"/jobs/{job_id}").json())
 

@@ -35,9 +35,11 @@ from parties.protocol import (
     ALIGNMENT_HEADER,
     DIGEST_HEADER,
     OCTET_STREAM,
+    PURPOSE_HEADER,
     AlignmentInfo,
     CheckpointList,
     FinishRequest,
+    LoadModelRequest,
     ModelFiles,
     PsiOpenRequest,
     PsiOpenResponse,
@@ -180,13 +182,16 @@ class HttpPartner:
     def get_reblinded(self, session_id: str, index: int) -> bytes:
         return self._get_when_ready(f"/psi/sessions/{session_id}/reblinded/{index}", "the re-blinded IDs")
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes) -> int:
+    def commit(
+        self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes, purpose: str = "training"
+    ) -> int:
         response = self._call(
             "POST",
             f"/psi/sessions/{session_id}/commit",
             "the alignment",
             content=positions.astype("<u4").tobytes(),
-            headers={"content-type": OCTET_STREAM, DIGEST_HEADER: digest.hex(), ALIGNMENT_HEADER: alignment_id},
+            headers={"content-type": OCTET_STREAM, DIGEST_HEADER: digest.hex(), ALIGNMENT_HEADER: alignment_id,
+                     PURPOSE_HEADER: purpose},
         )
         return AlignmentInfo.model_validate(response.json()).rows
 
@@ -306,6 +311,18 @@ class HttpPartner:
 
     def attach(self, session_id: str, width: int) -> None:
         self.session_id, self.width = session_id, width
+
+    # --- scoring with a trained model -------------------------------------------------------
+
+    def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
+        body = LoadModelRequest(files=files, embedding_width=width).model_dump()
+        self._call("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
+        self.width = width
+
+    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
+        content = self._post_tensors(f"/models/{model_id}/embed", "scoring embeddings", {"rows": positions},
+                                     alignment=alignment_id)
+        return self._embedding(content, positions.numel(), "scoring embeddings")
 
     def checkpoints(self) -> list[int]:
         response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")

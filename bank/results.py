@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from bank.config import TrainingConfig
+from bank.manifest import Manifest, PartyEntry, write_manifest
 from bank.task import Task
 from bank.trainer import TrainingOutcome
 from parties.files import atomic_write_bytes, atomic_write_text
@@ -67,7 +68,17 @@ def write_run(
     top_blob = save_tensors({k: v.contiguous() for k, v in top.state_dict().items()}, metadata={"session": outcome.session_id})
     atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
     _json(run_dir / "model" / "task.json", {"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label})
-    party_files = {**party_files, "bank-top": {"top.safetensors": hashlib.sha256(top_blob).hexdigest()}}
+    top_digest = {"top.safetensors": hashlib.sha256(top_blob).hexdigest()}
+    write_manifest(run_dir / "model" / "manifest.json", Manifest(
+        model_id=outcome.session_id,
+        alignment_id=alignment_id,
+        task={"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label},
+        aggregation=config.aggregation,
+        parties=[PartyEntry(name=name, embedding_width=width, schema_hash=party_files[name]["encoder.json"],
+                            files=party_files[name]) for name, width in outcome.widths.items()],
+        top=top_digest,
+    ))
+    party_files = {**party_files, "bank-top": top_digest}
     metrics = {
         "session": outcome.session_id,
         "alignment_id": alignment_id,

@@ -6,10 +6,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse
 
 from bank.config import TrainingConfig
 from bank.core import BankCore
-from parties.app import create_party_app, require_self
+from parties.app import create_party_app, read_body, require_self
 from parties.dataset import PartyTable, load_party_table
 from parties.errors import OutOfOrder
 from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus
@@ -44,6 +45,23 @@ async def start_training(body: TrainingConfig, c: BankCore = Depends(core)) -> J
 @coordinator.post("/trainings/{session_id}/resume", status_code=202, response_model=JobStatus)
 async def resume_training(session_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.start_resume(session_id).status()
+
+
+@coordinator.post("/scorings", status_code=202, response_model=JobStatus)
+async def start_scoring(
+    request: Request, model: str, allow_missing: bool = False, c: BankCore = Depends(core)
+) -> JobStatus:
+    """Score the customers in the body (a CSV of IDs and the bank's own columns) with a trained model."""
+    csv = await read_body(request, c.settings.max_body_bytes)
+    return c.start_scoring(model, csv, allow_missing).status()
+
+
+@coordinator.get("/scorings/{job_id}/scores.csv")
+async def scores(job_id: str, c: BankCore = Depends(core)) -> FileResponse:
+    job = c.jobs.get(job_id)
+    if job.kind != "scoring" or job.state != "succeeded" or job.result is None:
+        raise OutOfOrder(f"job {job_id} has no scores (state: {job.state})")
+    return FileResponse(job.result["scores_file"], media_type="text/csv")
 
 
 @coordinator.get("/jobs/{job_id}", response_model=JobStatus)

@@ -16,6 +16,7 @@ __all__ = [
     "CALLER_HEADER",
     "DIGEST_HEADER",
     "OCTET_STREAM",
+    "PURPOSE_HEADER",
     "SCHEMA_VERSION",
     "AlignmentInfo",
     "AlignmentRequest",
@@ -23,6 +24,7 @@ __all__ = [
     "ErrorResponse",
     "RestoreRequest",
     "FinishRequest",
+    "LoadModelRequest",
     "ModelFiles",
     "TrainSessionInfo",
     "Identity",
@@ -37,6 +39,8 @@ DIGEST_HEADER = "x-cutlayer-digest"
 ALIGNMENT_HEADER = "x-cutlayer-alignment"
 #: Only honoured in --insecure mode, where no certificate can say who calls.
 CALLER_HEADER = "x-cutlayer-caller"
+#: What a committed PSI result is for: the training alignment, or a batch of customers to score.
+PURPOSE_HEADER = "x-cutlayer-purpose"
 
 Version = Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]
 
@@ -112,3 +116,10 @@ class CheckpointList(Message):
 
 class RestoreRequest(Message):
     step: int = Field(ge=0)
+
+
+class LoadModelRequest(Message):
+    """The bank's manifest entry for this party: the digests its files must have."""
+
+    files: dict[str, str]
+    embedding_width: int = Field(ge=1)

@@ -15,7 +15,8 @@ from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import BadMessage, OutOfOrder, UnknownSession
+from parties.errors import AlignmentMismatch, BadMessage, DataError, OutOfOrder, UnknownSession
+from parties.scoring import ScoringBottom
 from parties.protocol import AlignmentInfo, ModelFiles, PsiOpenRequest, PsiOpenResponse, TrainSessionInfo
 from parties.checkpoint import checkpoint_steps
 from parties.session import PartySession
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 #: Longest a request waits for a computation before answering "not ready, retry".
 WAIT_SECONDS = 30.0
+MAX_SCORING_ALIGNMENTS = 4
 
 
 class PartnerCore:
@@ -44,6 +46,8 @@ class PartnerCore:
         self._lock = threading.Lock()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self._training: dict[str, PartySession] = {}
+        self.scoring_alignments: dict[str, np.ndarray] = {}
+        self.models: dict[str, ScoringBottom] = {}
 
     def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
         with self._lock:
@@ -70,15 +74,25 @@ class PartnerCore:
             if self._sessions.pop(session_id, None) is not None:
                 logger.info("PSI session %s aborted", session_id)
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes) -> AlignmentInfo:
+    def commit(
+        self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes, purpose: str = "training"
+    ) -> AlignmentInfo:
         """Keep the aligned rows the bank chose, after checking both sides agree."""
         responder = self.session(session_id)
         if not alignment_id or len(alignment_id) > 64:
             raise BadMessage("an alignment id is 1 to 64 characters")
         rows = responder.finish(positions, digest, WAIT_SECONDS)
         check_minimum(len(rows), self.settings.min_intersection, "the bank")
-        self.alignment = AlignedRows(alignment_id, rows)
-        save_alignment(self.settings.state_path, self.table, self.alignment)
+        if purpose == "scoring":  # customers to score: kept apart from the training alignment
+            with self._lock:
+                self.scoring_alignments[alignment_id] = rows
+                while len(self.scoring_alignments) > MAX_SCORING_ALIGNMENTS:
+                    self.scoring_alignments.pop(next(iter(self.scoring_alignments)))
+        elif purpose == "training":
+            self.alignment = AlignedRows(alignment_id, rows)
+            save_alignment(self.settings.state_path, self.table, self.alignment)
+        else:
+            raise BadMessage(f"unknown purpose {purpose!r}")
         with self._lock:
             self._sessions.pop(session_id, None)
         logger.info("alignment %s committed: %d rows", alignment_id, len(rows))
@@ -149,6 +163,35 @@ class PartnerCore:
         with self._lock:
             if self._training.pop(session_id, None) is not None:
                 logger.info("training session %s ended", session_id)
+
+    # --- scoring with a trained model -------------------------------------------------------
+
+    def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
+        """Load this partner's part of a trained model, refusing files that differ from the manifest."""
+        if not model_id.isalnum():
+            raise BadMessage("a model id is letters and digits")
+        folder = self.settings.state_path / "models" / model_id
+        if not folder.is_dir():
+            raise UnknownSession(f"this partner has no model {model_id}")
+        try:
+            model = ScoringBottom(folder, files)
+        except DataError as exc:
+            raise AlignmentMismatch(f"model {model_id}: {exc}") from exc
+        if model.width != width:
+            raise AlignmentMismatch(f"model {model_id} embeds {model.width} wide, the manifest says {width}")
+        self.models[model_id] = model
+
+    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
+        model = self.models.get(model_id)
+        if model is None:
+            raise OutOfOrder(f"model {model_id} is not loaded")
+        rows = self.scoring_alignments.get(alignment_id)
+        if rows is None:
+            raise UnknownSession(f"no customers aligned for scoring under {alignment_id}")
+        if positions.dim() != 1 or positions.numel() == 0 or int(positions.min()) < 0 or int(positions.max()) >= len(rows):
+            raise BadMessage(f"positions must lie in [0, {len(rows)})")
+        features = model.encoder.transform(self.table.features.iloc[rows[positions.numpy()]])
+        return model.embed(torch.from_numpy(features))
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -19,9 +19,11 @@ from parties.protocol import (
     ALIGNMENT_HEADER,
     DIGEST_HEADER,
     OCTET_STREAM,
+    PURPOSE_HEADER,
     AlignmentInfo,
     CheckpointList,
     FinishRequest,
+    LoadModelRequest,
     ModelFiles,
     PsiOpenRequest,
     PsiOpenResponse,
@@ -88,6 +90,7 @@ async def commit(
     request: Request,
     digest: str = Header(alias=DIGEST_HEADER),
     alignment_id: str = Header(alias=ALIGNMENT_HEADER),
+    purpose: str = Header("training", alias=PURPOSE_HEADER),
     c: PartnerCore = Depends(core),
 ) -> AlignmentInfo:
     data = await read_body(request, c.settings.max_body_bytes)
@@ -98,7 +101,7 @@ async def commit(
     except ValueError as exc:
         raise BadMessage(f"{DIGEST_HEADER} is not hex") from exc
     positions = np.frombuffer(data, dtype="<u4").astype(np.int64)
-    return await run_in_threadpool(c.commit, session_id, alignment_id, positions, digest_bytes)
+    return await run_in_threadpool(c.commit, session_id, alignment_id, positions, digest_bytes, purpose)
 
 
 @psi.delete("/{session_id}", status_code=204)
@@ -185,6 +188,25 @@ async def end_training(session_id: str, c: PartnerCore = Depends(core)) -> Respo
     return Response(status_code=204)
 
 
+models = APIRouter(prefix="/models", dependencies=[bank_only], tags=["scoring"])
+
+
+@models.post("/{model_id}/load", status_code=204)
+async def load_model(model_id: str, body: LoadModelRequest, c: PartnerCore = Depends(core)) -> Response:
+    await run_in_threadpool(c.load_model, model_id, body.files, body.embedding_width)
+    return Response(status_code=204)
+
+
+@models.post("/{model_id}/embed")
+async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = Depends(core)) -> Response:
+    message = await _message(request, c, {"rows": torch.int64}, None)
+    rows = message.get("rows")
+    if rows is None:
+        raise BadMessage("the message carries no rows")
+    z = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
+    return _tensors({"embedding": z}, model=model_id)
+
+
 @admin.get("/alignment", response_model=AlignmentInfo)
 async def alignment(c: PartnerCore = Depends(core)) -> AlignmentInfo:
     if c.alignment is None:
@@ -205,4 +227,4 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
             app.state.core.close()
 
     routes = [Route("/train/sessions/{session_id}/step", step, methods=["POST"])]
-    return create_party_app(settings, lifespan=lifespan, routers=[psi, train, admin], routes=routes)
+    return create_party_app(settings, lifespan=lifespan, routers=[psi, train, models, admin], routes=routes)
