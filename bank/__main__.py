@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
     r.add_argument("--log-level", default="WARNING")
 
+    ps = sub.add_parser("privacy-study", help="measure every defense's price and effect (simulation only)")
+    ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
+    ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
+    ps.add_argument("--epochs", type=int, default=10)
+    ps.add_argument("--hijack-runs", type=int, default=5, help="honest and hijacking runs each, for the monitor's rates")
+    ps.add_argument("--cache-dir", type=Path, default=None)
+    ps.add_argument("--log-level", default="WARNING")
+
     b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
     b.add_argument("--epochs", type=int, default=3)
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
@@ -136,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, table in report["tables"].items():
             print(f"\n== {name}\n{table.to_string(index=False)}")
         print(f"\nwritten to {run.path / 'analysis'}")
+        return 0
+    if args.command == "privacy-study":
+        from bank.privacy_study import hijack_rates, run_study
+
+        table = run_study(args.out, rows=args.rows, epochs=args.epochs, cache=args.cache_dir,
+                          progress=lambda name: print(f"... {name}", file=sys.stderr))
+        rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
+        print(table.to_string(index=False))
+        print()
+        print(rates.to_string(index=False))
+        print(f"\nwritten to {args.out}")
         return 0
     if args.command == "bench":
         from bank.bench import bench_json, format_bench, run_training_bench

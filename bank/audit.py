@@ -33,7 +33,7 @@ from parties.errors import DataError
 from parties.features import TabularEncoder
 from partner.attacks import cosine_scores, mean_by_row, norm_scores
 
-__all__ = ["inversion_probe", "label_leakage"]
+__all__ = ["inversion_probe", "inversion_rows", "label_leakage", "leakage_rows"]
 
 
 def _leak_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -47,31 +47,34 @@ def _gradients(run: Run, partner: str) -> dict[str, np.ndarray]:
     return load_file(str(path))
 
 
+def leakage_rows(partner: str, g: dict[str, np.ndarray], targets: np.ndarray) -> list[dict[str, object]]:
+    """Leak AUCs from one partner's recorded gradients (``epoch``, ``rows``, ``grads``) and the true labels."""
+    labels = targets[g["rows"]]
+    # The direction attack's one known positive: the first positive training row.
+    known = int(g["rows"][np.flatnonzero(labels == 1)[0]])
+    rows: list[dict[str, object]] = []
+    for epoch in np.unique(g["epoch"]):
+        at = g["epoch"] == epoch
+        reference = g["grads"][at][g["rows"][at] == known][0]
+        others = g["rows"][at] != known
+        y, grads = labels[at][others], g["grads"][at][others]
+        rows.append({"partner": partner, "epoch": int(epoch) + 1,
+                     "norm_leak_auc": _leak_auc(y, norm_scores(grads)),
+                     "direction_leak_auc": _leak_auc(y, cosine_scores(grads, reference))})
+    unique, mean = mean_by_row(g["rows"], g["grads"].astype(np.float64))
+    others = unique != known
+    reference = mean[unique == known][0]
+    y = targets[unique][others]
+    rows.append({"partner": partner, "epoch": "all (row means)",
+                 "norm_leak_auc": _leak_auc(y, norm_scores(mean[others])),
+                 "direction_leak_auc": _leak_auc(y, cosine_scores(mean[others], reference))})
+    return rows
+
+
 def label_leakage(run: Run) -> pd.DataFrame:
     """Leak AUC of the norm and direction attacks, per partner and epoch, and across epochs."""
     _, targets, _ = joined_features(run)
-    rows = []
-    for partner in run.partners:
-        g = _gradients(run, partner)
-        labels = targets[g["rows"]]
-        # The direction attack's one known positive: the first positive training row.
-        known = int(g["rows"][np.flatnonzero(labels == 1)[0]])
-        for epoch in np.unique(g["epoch"]):
-            at = g["epoch"] == epoch
-            reference = g["grads"][at][g["rows"][at] == known][0]
-            others = g["rows"][at] != known
-            y, grads = labels[at][others], g["grads"][at][others]
-            rows.append({"partner": partner, "epoch": int(epoch) + 1,
-                         "norm_leak_auc": _leak_auc(y, norm_scores(grads)),
-                         "direction_leak_auc": _leak_auc(y, cosine_scores(grads, reference))})
-        unique, mean = mean_by_row(g["rows"], g["grads"].astype(np.float64))
-        others = unique != known
-        reference = mean[unique == known][0]
-        y = targets[unique][others]
-        rows.append({"partner": partner, "epoch": "all (row means)",
-                     "norm_leak_auc": _leak_auc(y, norm_scores(mean[others])),
-                     "direction_leak_auc": _leak_auc(y, cosine_scores(mean[others], reference))})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([r for partner in run.partners for r in leakage_rows(partner, _gradients(run, partner), targets)])
 
 
 def _r2_by_feature(truth: np.ndarray, predicted: np.ndarray, names: list[str]) -> dict[str, float]:
@@ -81,6 +84,26 @@ def _r2_by_feature(truth: np.ndarray, predicted: np.ndarray, names: list[str]) -
         groups.setdefault(n.split("=")[0], []).append(i)
     return {f: float(r2_score(truth[:, cols], predicted[:, cols], multioutput="variance_weighted"))
             for f, cols in groups.items()}
+
+
+def inversion_rows(
+    partner: str, embedding: np.ndarray, truth: np.ndarray, own: np.ndarray, names: list[str], seed: int = 0,
+    aux_fraction: float = 0.5,
+) -> list[dict[str, object]]:
+    """Per partner feature: R² of decoding it from (embedding, bank's columns), minus from the bank's columns."""
+    order = np.random.default_rng(seed).permutation(len(truth))
+    aux, held = order[: int(aux_fraction * len(order))], order[int(aux_fraction * len(order)) :]
+
+    def probe(x: np.ndarray) -> dict[str, float]:
+        model = MLPRegressor(hidden_layer_sizes=(64,), max_iter=400, early_stopping=True, random_state=seed)
+        with warnings.catch_warnings():  # a probe that stops at max_iter still gives a valid lower bound
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            model.fit(x[aux], truth[aux])
+        return _r2_by_feature(truth[held], model.predict(x[held]), names)
+
+    with_embedding, bank_only = probe(np.hstack([embedding, own])), probe(own)
+    return [{"partner": partner, "feature": f, "r2_embedding_and_bank": with_embedding[f],
+             "r2_bank_only": bank_only[f], "advantage": with_embedding[f] - bank_only[f]} for f in with_embedding]
 
 
 def inversion_probe(run: Run, seed: int = 0, aux_fraction: float = 0.5) -> pd.DataFrame:
@@ -95,20 +118,6 @@ def inversion_probe(run: Run, seed: int = 0, aux_fraction: float = 0.5) -> pd.Da
         positions, embedding = record["rows"], record["embedding"]
         encoder_file = run.path / partner / "models" / run.metrics["session"] / "encoder.json"
         names = TabularEncoder.from_dict(json.loads(encoder_file.read_text())).feature_names()
-        truth, own = features[partner][positions], features["bank"][positions]
-        order = np.random.default_rng(seed).permutation(len(positions))
-        aux, held = order[: int(aux_fraction * len(order))], order[int(aux_fraction * len(order)) :]
-
-        def probe(x: np.ndarray) -> dict[str, float]:
-            model = MLPRegressor(hidden_layer_sizes=(64,), max_iter=400, early_stopping=True, random_state=seed)
-            with warnings.catch_warnings():  # a probe that stops at max_iter still gives a valid lower bound
-                warnings.simplefilter("ignore", ConvergenceWarning)
-                model.fit(x[aux], truth[aux])
-            return _r2_by_feature(truth[held], model.predict(x[held]), names)
-
-        with_embedding, bank_only = probe(np.hstack([embedding, own])), probe(own)
-        for feature in with_embedding:
-            out.append({"partner": partner, "feature": feature, "r2_embedding_and_bank": with_embedding[feature],
-                        "r2_bank_only": bank_only[feature],
-                        "advantage": with_embedding[feature] - bank_only[feature]})
+        out += inversion_rows(partner, embedding, features[partner][positions], features["bank"][positions], names,
+                              seed, aux_fraction)
     return pd.DataFrame(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bank.aggregation import AggregationName
@@ -39,11 +41,24 @@ class TrainingConfig(BaseModel):
         50, ge=0, description="every party checkpoints every N steps (0: at epoch ends only)"
     )
     partners: list[str] | None = Field(None, description="default: every configured partner")
+    label_dp_epsilon: float | None = Field(
+        None, gt=0, description="randomized-response label DP: flip each training label once, with prob 1/(1+e^ε)"
+    )
+    gradient_defense: Literal["none", "max_norm", "isotropic"] = Field(
+        "none", description="perturb the gradients the partners receive (against label inference)"
+    )
+    gradient_noise: float = Field(1.0, ge=0, description="isotropic: noise std in units of the mean gradient norm")
     audit: bool = Field(
         False,
         description="record, for analysis only, the gradients each partner received and the embeddings the "
         "bank received (the notebook's leakage audit); costs disk, and one extra embedding release",
     )
+
+    @model_validator(mode="after")
+    def _label_dp_is_binary(self) -> TrainingConfig:
+        if self.label_dp_epsilon is not None and self.task != "binary":
+            raise ValueError("randomized-response label DP is implemented for binary tasks")
+        return self
 
     @model_validator(mode="after")
     def _fractions(self) -> TrainingConfig:

@@ -10,8 +10,10 @@ import torch
 from parties.checkpoint import checkpoint_steps
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage, PeerError
+from parties.hijack import MonitorConfig
 from parties.model import BottomConfig
-from parties.protocol import ModelFiles
+from parties.privacy import PrivacyConfig
+from parties.protocol import ModelFiles, PrivacyReport
 from parties.session import PartySession
 
 __all__ = ["InProcessParty"]
@@ -28,9 +30,12 @@ class InProcessParty:
         config: BottomConfig,
         model_dir: Callable[[str], Path] | None = None,
         checkpoint_dir: Callable[[str], Path] | None = None,
+        privacy: PrivacyConfig | None = None,
+        monitor: MonitorConfig | None = None,
     ) -> None:
         self.name, self.table, self._alignment, self.config = name, table, alignment, config
         self._model_dir, self._checkpoint_dir = model_dir, checkpoint_dir
+        self.privacy_config, self.monitor = privacy, monitor
         self.session: PartySession | None = None
 
     def _live(self) -> PartySession:
@@ -42,7 +47,9 @@ class InProcessParty:
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
             raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
-        self.session = PartySession(session_id, self.table, alignment, train_positions, self.config)
+        self.session = PartySession(
+            session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor
+        )
         return self.session.trainer.width
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -93,6 +100,15 @@ class InProcessParty:
             session.trainer.restore_best()
         files = session.save(self._model_dir(session.session_id)) if self._model_dir is not None else {}
         return ModelFiles(session=session.session_id, files=files)
+
+    def privacy(self) -> PrivacyReport:
+        session = self._live()
+        dp = session.trainer.dp
+        if dp is None:
+            return PrivacyReport(session=session.session_id, enabled=False)
+        return PrivacyReport(session=session.session_id, enabled=True, epsilon=dp.epsilon(), delta=dp.config.delta,
+                             max_releases=int(dp.releases.max()), noise_multiplier=dp.noise_multiplier,
+                             budget=dp.config.budget)
 
     def end(self) -> None:
         self.session = None

@@ -41,6 +41,7 @@ from parties.protocol import (
     FinishRequest,
     LoadModelRequest,
     ModelFiles,
+    PrivacyReport,
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
@@ -77,6 +78,10 @@ class TrainingParty(Protocol):
 
     def attach(self, session_id: str, width: int) -> None:
         """Rejoin a session this party already has (after the bank restarted)."""
+        ...
+
+    def privacy(self) -> PrivacyReport:
+        """The party's embedding-DP spend so far."""
         ...
 
     def restore(self, step: int) -> None:
@@ -323,6 +328,10 @@ class HttpPartner:
         content = self._post_tensors(f"/models/{model_id}/embed", "scoring embeddings", {"rows": positions},
                                      alignment=alignment_id)
         return self._embedding(content, positions.numel(), "scoring embeddings")
+
+    def privacy(self) -> PrivacyReport:
+        response = self._call("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
+        return PrivacyReport.model_validate(response.json())
 
     def checkpoints(self) -> list[int]:
         response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")

@@ -25,6 +25,7 @@ import torch
 
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
+from bank.defenses import perturb_gradient, randomized_response
 from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.task import Task
@@ -100,6 +101,10 @@ class Coordinator:
         self.progress = progress or (lambda _msg, _frac: None)
         self.aggregation = get_aggregation(config.aggregation)
         self.split = split_rows(len(targets), targets, task, config)
+        # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
+        self.train_targets = targets
+        if config.label_dp_epsilon is not None:
+            self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, config.seed)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
         self.top: torch.nn.Module | None = None
@@ -188,6 +193,9 @@ class Coordinator:
         for p in self.parties[1:]:
             audit.embeddings[p.name] = {"rows": rows, "embedding": p.embed(rows)}
         self.eval_rows_sent += len(rows)
+
+    def _loss(self, top: torch.nn.Module, leaves: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        return self.task.loss(top(self.aggregation.combine(leaves)), self.train_targets[rows])
 
     # --- checkpoints and rollback ----------------------------------------------------------
 
@@ -330,10 +338,14 @@ class Coordinator:
                 zs = self._step_all(loop.step, loop.grads, rows, while_waiting=apply_top_update, checkpoint=checkpoint)
                 self.train_rows_sent += len(rows)
                 leaves = [z.requires_grad_(True) for z in zs]
-                loss = self.task.loss(top(self.aggregation.combine(leaves)), self.targets[rows])
+                loss = self._loss(top, leaves, rows)
                 loss.backward()
                 top_has_gradients[0] = True
-                loop.grads = [leaf.grad for leaf in leaves]
+                loop.grads = [leaves[0].grad] + [
+                    perturb_gradient(leaf.grad, self.config.gradient_defense, self.config.gradient_noise,
+                                     self.config.seed, loop.step, k)
+                    for k, leaf in enumerate(leaves[1:], start=1)
+                ]
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
                         self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)
@@ -361,6 +373,10 @@ class Coordinator:
             row = {"epoch": loop.epoch + 1, "steps": loop.step, "train_loss": float(np.mean(loop.losses))}
             row |= {f"val_{m}": v for m, v in val.items()}
             row["train_seconds"] = train_seconds
+            for p in self.parties[1:]:  # each partner's embedding-DP spend, as it reports it
+                report = p.privacy()
+                if report.enabled:
+                    row[f"epsilon_{p.name}"] = report.epsilon
             row["seconds"] = time.perf_counter() - epoch_start
             loop.history.append(row)
             logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from parties.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
-from parties.errors import BadMessage, Behind, OutOfOrder
+from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
+from parties.hijack import HijackMonitor, MonitorConfig
 from parties.model import BottomConfig, build_bottom, build_optimizer
+from parties.privacy import EmbeddingDP, PrivacyConfig
 
 __all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
 
@@ -37,7 +39,13 @@ MAX_BATCH_ROWS = 1 << 16
 class BottomTrainer:
     """One training session of one party's bottom model over its encoded, aligned rows."""
 
-    def __init__(self, features: np.ndarray, config: BottomConfig) -> None:
+    def __init__(
+        self,
+        features: np.ndarray,
+        config: BottomConfig,
+        privacy: PrivacyConfig | None = None,
+        monitor: MonitorConfig | None = None,
+    ) -> None:
         self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
         self.config = config
         self.model = build_bottom(self.x.shape[1], config)
@@ -49,6 +57,9 @@ class BottomTrainer:
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
+        self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.clip is not None else None
+        self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
+        self._probe: list[tuple[int, int]] = []
 
     @property
     def width(self) -> int:
@@ -95,6 +106,14 @@ class BottomTrainer:
                 raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
             self._check_grad(grad)
             self._check_rows(rows)
+            if self.dp is not None and rows is not None:
+                self.dp.check(rows)
+            if self.monitor is not None:
+                if self.monitor.alarm is None and self._probe and grad is not None:
+                    grad = self.monitor.inspect(grad, self._probe)
+                    self._probe = []
+                if self.monitor.alarm is not None:
+                    raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._pending.backward(grad)
@@ -104,9 +123,15 @@ class BottomTrainer:
             if rows is not None:
                 self.model.train()
                 z = self.model(self.x[rows])
+                if self.dp is not None:
+                    z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
                 self.releases += rows.numel()
                 out = z.detach()
+                if self.monitor is not None:
+                    self._probe = self.monitor.plan(step, rows.numel())
+                    if self._probe:
+                        out = self.monitor.disguise(out, self._probe)
             self.next_step = step + 1
             self._last = (step, grad, rows, out)
             return out
@@ -129,6 +154,8 @@ class BottomTrainer:
             self.model.eval()
             z = self.model(self.x[rows])
             self.model.train()
+            if self.dp is not None:
+                z = self.dp.release(z, rows)
             self.releases += rows.numel()
             return z
 
@@ -157,6 +184,11 @@ class BottomTrainer:
                         tensors[f"last.{name}"] = value.detach().clone()
             meta = {"next_step": self.next_step, "optimizer": optim_meta, "last_step": last_step,
                     "releases": self.releases}
+            if self.dp is not None:
+                tensors["dp.releases"] = torch.from_numpy(self.dp.releases.copy())
+                meta["dp_draws"] = self.dp._draws
+            if self.monitor is not None:
+                meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
             return tensors, meta
 
     def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
@@ -165,13 +197,25 @@ class BottomTrainer:
             self.model.load_state_dict(checkpoint.section("model"))
             unflatten_optimizer(self.optimizer, checkpoint.section("optim"), meta["optimizer"])
             self.next_step, self.releases = meta["next_step"], meta["releases"]
+            if self.dp is not None:
+                self.dp.releases = checkpoint.tensors["dp.releases"].numpy().copy()
+                self.dp._draws = meta["dp_draws"]
+            if self.monitor is not None and "monitor" in meta:
+                self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
+                self.monitor.differences = list(meta["monitor"]["differences"])
             best = checkpoint.section("best")
             self._best = best or None
             rows = checkpoint.tensors.get("pending.rows")
             self._pending, self._pending_index = None, None
             if rows is not None:
+                # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
-                self._pending, self._pending_index = self.model(self.x[rows]), rows
+                z = self.model(self.x[rows])
+                if self.dp is not None:
+                    norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
+                    clipped = z * torch.clamp(self.dp.clip / norms, max=1.0)
+                    z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
+                self._pending, self._pending_index = z, rows
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:

@@ -18,6 +18,7 @@ def configure_logging(level: str = "INFO") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
+        force=True,  # some libraries call basicConfig at import time (opacus does); the entry point decides
     )
     # httpx logs every request URL at INFO; our own modules say what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -12,8 +12,10 @@ The tree::
     │   ├── UnknownSession          no such session (or it expired)            -> 404
     │   └── OutOfOrder              a valid message at the wrong time          -> 409
     │       ├── NotReady            the answer is still being computed; retry  -> 409
-    │       └── Behind              the party is behind (restored from a checkpoint) -> 409
+    │       ├── Behind              the party is behind (restored from a checkpoint) -> 409
+    │       └── BudgetExhausted     the release would pass the privacy budget  -> 409
     ├── Forbidden                   the caller's certificate lacks the role    -> 403
+    │   └── HijackSuspected         the partner's monitor saw a hijacking bank -> 403
     ├── AlignmentError              private set intersection could not finish  -> 422
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
     │   └── AlignmentMismatch       the two sides computed different results
@@ -31,11 +33,13 @@ __all__ = [
     "AlignmentMismatch",
     "BadMessage",
     "Behind",
+    "BudgetExhausted",
     "ConfigError",
     "CutlayerError",
     "DataError",
     "DatasetUnavailable",
     "Forbidden",
+    "HijackSuspected",
     "IntersectionTooSmall",
     "NotReady",
     "OutOfOrder",
@@ -97,8 +101,16 @@ class Behind(OutOfOrder):
         self.next_step = next_step
 
 
+class BudgetExhausted(OutOfOrder):
+    pass
+
+
 class Forbidden(CutlayerError):
     status_code = 403
+
+
+class HijackSuspected(Forbidden):
+    pass
 
 
 class AlignmentError(CutlayerError):

@@ -29,6 +29,7 @@ __all__ = [
     "TrainSessionInfo",
     "Identity",
     "JobStatus",
+    "PrivacyReport",
     "PsiOpenRequest",
     "PsiOpenResponse",
 ]
@@ -123,3 +124,15 @@ class LoadModelRequest(Message):
 
     files: dict[str, str]
     embedding_width: int = Field(ge=1)
+
+
+class PrivacyReport(Message):
+    """A partner's embedding-DP spend so far: the ε of its most-released row."""
+
+    session: str
+    enabled: bool
+    epsilon: float | None = None
+    delta: float | None = None
+    max_releases: int | None = None
+    noise_multiplier: float | None = None
+    budget: float | None = None

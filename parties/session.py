@@ -19,6 +19,8 @@ from parties.errors import BadMessage
 from parties.features import TabularEncoder
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.model import BottomConfig
+from parties.hijack import MonitorConfig
+from parties.privacy import PrivacyConfig
 
 __all__ = ["PartySession"]
 
@@ -35,6 +37,8 @@ class PartySession:
         alignment: AlignedRows,
         train_positions: torch.Tensor,
         config: BottomConfig,
+        privacy: PrivacyConfig | None = None,
+        monitor: MonitorConfig | None = None,
     ) -> None:
         n = len(alignment)
         if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
@@ -45,7 +49,8 @@ class PartySession:
         self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
         aligned = table.features.iloc[alignment.rows]
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
-        self.trainer = BottomTrainer(self.encoder.transform(aligned), config)
+        self.privacy, self.monitor = privacy, monitor
+        self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor)
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
                     session_id, n, self.encoder.width, config.cut_width)
@@ -57,7 +62,9 @@ class PartySession:
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
-                "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json")}
+                "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
+                "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
+                "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
         write_checkpoint(folder, step, tensors, meta)
         return step
 
@@ -78,8 +85,11 @@ class PartySession:
         self = cls.__new__(cls)
         self.session_id, self.alignment_id = meta["session"], meta["alignment_id"]
         self.config = BottomConfig.model_validate(meta["config"])
+        self.privacy = PrivacyConfig.model_validate(meta["privacy"]) if meta.get("privacy") else None
+        self.monitor = MonitorConfig.model_validate(meta["monitor"]) if meta.get("monitor") else None
         self.encoder = TabularEncoder.from_dict(meta["encoder"])
-        self.trainer = BottomTrainer(self.encoder.transform(table.features.iloc[alignment.rows]), self.config)
+        features = self.encoder.transform(table.features.iloc[alignment.rows])
+        self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
         self.last_used = time.monotonic()
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)

@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parties.errors import ConfigError
 from parties.model import BottomConfig
+from parties.hijack import MonitorConfig
+from parties.privacy import PrivacyConfig
 from parties.tls import Role, TLSFiles
 
 __all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "load_settings"]
@@ -81,6 +83,8 @@ class PartnerSettings(ServiceSettings):
     role: ClassVar[Role] = "partner"
 
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="embedding DP (off without a clip)")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off at probe_every=0)")
     max_training_sessions: int = Field(2, ge=1)
 
     psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")

@@ -11,6 +11,8 @@ import torch
 from parties.cli import add_service_arguments, configure_logging, run_cli, service_values
 from parties.dataset import load_party_table
 from parties.model import BottomConfig
+from parties.hijack import MonitorConfig
+from parties.privacy import PrivacyConfig
 from parties.server import serve
 from parties.settings import PartnerSettings, load_settings
 from partner.service import create_app
@@ -29,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
     b.add_argument("--optimizer", choices=["adam", "sgd"], default=None)
     b.add_argument("--seed", type=int, default=None, help="initialisation seed (default 0)")
+    d = s.add_argument_group("embedding differential privacy (off unless --dp-clip is given)")
+    d.add_argument("--dp-clip", type=float, default=None, help="L2 bound on each released embedding row")
+    d.add_argument("--dp-noise", type=float, default=None, help="Gaussian noise std per coordinate")
+    d.add_argument("--dp-delta", type=float, default=None, help="δ for the reported ε (default 1e-5)")
+    d.add_argument("--dp-budget", type=float, default=None, help="refuse releases that would pass this ε")
+    s.add_argument("--hijack-probe-every", type=int, default=None,
+                   help="watch for a hijacking bank: probe every N steps (default: off)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     bottom = {
@@ -36,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
     }
     bottom = {k: v for k, v in bottom.items() if v is not None}
-    settings = load_settings(PartnerSettings, **service_values(args), bottom=BottomConfig(**bottom) if bottom else None)
+    privacy = {"clip": args.dp_clip, "noise": args.dp_noise, "delta": args.dp_delta, "budget": args.dp_budget}
+    privacy = {k: v for k, v in privacy.items() if v is not None}
+    settings = load_settings(
+        PartnerSettings, **service_values(args), bottom=BottomConfig(**bottom) if bottom else None,
+        privacy=PrivacyConfig(**privacy) if privacy else None,
+        monitor=MonitorConfig(probe_every=args.hijack_probe_every) if args.hijack_probe_every else None,
+    )
     assert isinstance(settings, PartnerSettings)
     torch.set_num_threads(settings.torch_threads)
     if settings.insecure:

@@ -17,7 +17,14 @@ from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import AlignmentMismatch, BadMessage, DataError, OutOfOrder, UnknownSession
 from parties.scoring import ScoringBottom
-from parties.protocol import AlignmentInfo, ModelFiles, PsiOpenRequest, PsiOpenResponse, TrainSessionInfo
+from parties.protocol import (
+    AlignmentInfo,
+    ModelFiles,
+    PrivacyReport,
+    PsiOpenRequest,
+    PsiOpenResponse,
+    TrainSessionInfo,
+)
 from parties.checkpoint import checkpoint_steps
 from parties.session import PartySession
 from parties.dataset import load_alignment, save_alignment
@@ -112,7 +119,11 @@ class PartnerCore:
                 raise OutOfOrder(f"training session {session_id} already exists")
             if len(self._training) >= self.settings.max_training_sessions:
                 raise OutOfOrder("too many training sessions are open; finish or abort one first")
-        session = PartySession(session_id, self.table, self.alignment, train_positions, self.settings.bottom)
+        privacy = self.settings.privacy if self.settings.privacy.clip is not None else None
+        monitor = self.settings.monitor if self.settings.monitor.probe_every else None
+        session = PartySession(
+            session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor
+        )
         with self._lock:
             self._training[session_id] = session
         return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
@@ -150,6 +161,14 @@ class PartnerCore:
 
     def restore(self, session_id: str, step: int) -> None:
         self.training(session_id).restore(self.checkpoint_dir(session_id), step)
+
+    def privacy(self, session_id: str) -> PrivacyReport:
+        dp = self.training(session_id).trainer.dp
+        if dp is None:
+            return PrivacyReport(session=session_id, enabled=False)
+        return PrivacyReport(session=session_id, enabled=True, epsilon=dp.epsilon(), delta=dp.config.delta,
+                             max_releases=int(dp.releases.max()), noise_multiplier=dp.noise_multiplier,
+                             budget=dp.config.budget)
 
     def finish_training(self, session_id: str, restore_best: bool) -> ModelFiles:
         session = self.training(session_id)

@@ -25,6 +25,7 @@ from parties.protocol import (
     FinishRequest,
     LoadModelRequest,
     ModelFiles,
+    PrivacyReport,
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
@@ -180,6 +181,11 @@ async def checkpoints(session_id: str, c: PartnerCore = Depends(core)) -> Checkp
 async def restore(session_id: str, body: RestoreRequest, c: PartnerCore = Depends(core)) -> Response:
     await run_in_threadpool(c.restore, session_id, body.step)
     return Response(status_code=204)
+
+
+@train.get("/{session_id}/privacy", response_model=PrivacyReport)
+async def privacy(session_id: str, c: PartnerCore = Depends(core)) -> PrivacyReport:
+    return c.privacy(session_id)
 
 
 @train.delete("/{session_id}", status_code=204)
