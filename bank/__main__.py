@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-steps", type=int, default=None, help="stop training after N steps (smoke runs)")
     w.add_argument("--audit", action="store_true", default=None,
                    help="record what crossed the cut, for the notebook's leakage audit")
+    d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
+    d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
+    d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")
+    d.add_argument("--dp-budget", type=float, default=None, help="partners: refuse releases past this ε")
+    d.add_argument("--hijack-probe-every", type=int, default=None, help="partners: hijack monitor probe interval")
+    d.add_argument("--label-dp-epsilon", type=float, default=None, help="bank: randomized-response label DP ε")
+    d.add_argument("--gradient-defense", choices=["none", "max_norm", "isotropic"], default=None,
+                   help="bank: perturb the gradients partners receive")
+    d.add_argument("--gradient-noise", type=float, default=None, help="bank: isotropic noise scale")
     w.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -209,11 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit)
+    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
+                                label_dp_epsilon=args.label_dp_epsilon, gradient_defense=args.gradient_defense,
+                                gradient_noise=args.gradient_noise)
+    partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
+        ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
+        ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
                           cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,
-                          training=training)
+                          training=training, partner_args=tuple(partner_args))
     )
     print_summary(out, summary)
     return 0

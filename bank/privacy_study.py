@@ -132,7 +132,7 @@ def run_study(
     table = pd.DataFrame(results)
     table.to_csv(out / "privacy_study.csv", index=False)
     fig = tradeoff_figure(table)
-    fig.savefig(out / "privacy_tradeoff.png", dpi=110)
+    fig.savefig(out / "privacy_tradeoff.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return table
 
@@ -166,16 +166,22 @@ def hijack_rates(out: Path, *, runs: int = 5, rows: int | None = 3000, epochs: i
 
 
 def tradeoff_figure(table: pd.DataFrame) -> plt.Figure:
-    """Test ROC-AUC against the strongest label attack's leak AUC, one point per defense setting."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """Test ROC-AUC against what leaks, one numbered point per defense setting: labels (left), features (right)."""
     leak = table[["norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
                   "cross_epoch_direction_leak_auc"]].max(axis=1)
-    ax.scatter(leak, table["test_roc_auc"], s=60, c=table["inversion_r2_advantage"], cmap="viridis")
-    for x, y, name in zip(leak, table["test_roc_auc"], table["setting"]):
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.axvline(0.5, color="grey", linestyle=":")
-    ax.set(xlabel="label leak AUC, strongest attack (0.5: nothing leaks)", ylabel="test ROC-AUC",
-           title="privacy–utility trade-off (colour: embedding-inversion R² advantage)")
-    fig.colorbar(ax.collections[0], ax=ax, label="inversion R² advantage")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, x, label, floor in (
+        (left, leak, "label leak AUC, strongest attack (0.5: nothing leaks)", 0.5),
+        (right, table["inversion_r2_advantage"], "embedding-inversion R² advantage (0: nothing leaks)", 0.0),
+    ):
+        ax.scatter(x, table["test_roc_auc"], s=70, color="tab:blue")
+        for i, (xi, yi) in enumerate(zip(x, table["test_roc_auc"]), start=1):
+            ax.annotate(str(i), (xi, yi), textcoords="offset points", xytext=(6, 3), fontsize=9)
+        ax.axvline(floor, color="grey", linestyle=":")
+        ax.set(xlabel=label)
+    left.set(ylabel="test ROC-AUC")
+    key = "\n".join(f"{i}. {name}" for i, name in enumerate(table["setting"], start=1))
+    right.text(1.03, 0.5, key, transform=right.transAxes, va="center", fontsize=9)
+    fig.suptitle("what each defense costs (test ROC-AUC) and buys (less leakage)")
     fig.tight_layout()
     return fig

@@ -38,6 +38,7 @@ class WalkthroughConfig:
     download: bool = True
     workers: int | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    partner_args: tuple[str, ...] = ()  # extra flags for every partner (its own defenses)
 
 
 def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[list[ServiceProcess], str]:
@@ -48,7 +49,8 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
     partners = [n for n in paths if n != "bank"]
     services = []
     for i, name in enumerate(partners):
-        args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i + 1)]
+        args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i + 1),
+                *config.partner_args]
         services.append(ServiceProcess("partner", args + common, out / name / "ready.json", out / "logs" / f"{name}.log"))
     try:
         urls = {name: svc.wait_ready() for name, svc in zip(partners, services)}
