@@ -182,14 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _training_config(args.config, epochs=args.epochs, batch_size=args.batch_size,
                                   aggregation=args.aggregation, seed=args.seed, audit=args.audit)
         with BankOperator(args.url, tls, args.name) as operator:
-            with tqdm(total=1000, desc="training", bar_format="{l_bar}{bar}| {postfix}") as bar:
-
-                def show(job: JobStatus) -> None:
-                    bar.n = int(1000 * (job.fraction or 0))
-                    bar.set_postfix_str(job.progress[:60])
-
-                job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
-                result = operator.wait(job, on_progress=show)
+            job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
+            result = _follow(operator, job, "training")
         print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
         return 0
     if args.command == "score":
@@ -198,14 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             raise ConfigError(f"{args.data}: cannot read ({exc.strerror})") from exc
         with BankOperator(args.url, tls, args.name) as operator:
-            with tqdm(total=1000, desc="scoring", bar_format="{l_bar}{bar}| {postfix}") as bar:
-
-                def show_score(job: JobStatus) -> None:
-                    bar.n = int(1000 * (job.fraction or 0))
-                    bar.set_postfix_str(job.progress[:60])
-
-                job = operator.start_scoring(args.model, csv, args.allow_missing)
-                result = operator.wait(job, on_progress=show_score)
+            job = operator.start_scoring(args.model, csv, args.allow_missing)
+            result = _follow(operator, job, "scoring")
             args.out.write_bytes(operator.scores(job.job_id))
         print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
         return 0
@@ -231,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_summary(out, summary)
     return 0
+
+
+def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]:
+    """Wait for a job with a progress bar on stderr."""
+    with tqdm(total=1000, desc=desc, bar_format="{l_bar}{bar}| {postfix}") as bar:
+
+        def show(status: JobStatus) -> None:
+            bar.n = int(1000 * (status.fraction or 0))
+            bar.set_postfix_str(status.progress[:60])
+
+        return operator.wait(job, on_progress=show)
 
 
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:

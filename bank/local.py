@@ -104,11 +104,7 @@ class InProcessParty:
     def privacy(self) -> PrivacyReport:
         session = self._live()
         dp = session.trainer.dp
-        if dp is None:
-            return PrivacyReport(session=session.session_id, enabled=False)
-        return PrivacyReport(session=session.session_id, enabled=True, epsilon=dp.epsilon(), delta=dp.config.delta,
-                             max_releases=int(dp.releases.max()), noise_multiplier=dp.noise_multiplier,
-                             budget=dp.config.budget)
+        return dp.report(session.session_id) if dp is not None else PrivacyReport(session=session.session_id, enabled=False)
 
     def end(self) -> None:
         self.session = None

@@ -28,6 +28,7 @@ from bank.config import TrainingConfig
 from bank.defenses import perturb_gradient, randomized_response
 from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
+from bank.state import AuditRecord, LoopState
 from bank.task import Task
 from parties.checkpoint import checkpoint_steps, flatten_optimizer, read_checkpoint, unflatten_optimizer, write_checkpoint
 from parties.errors import Behind, ConfigError, CutlayerError, PeerError, PeerUnavailable
@@ -38,32 +39,6 @@ __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batc
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, float], None]
-
-
-@dataclass
-class AuditRecord:
-    """What crossed the cut, kept for analysis only (``TrainingConfig.audit``).
-
-    ``gradients[name]`` holds, per training row and epoch, the gradient that
-    partner received; ``embeddings[name]`` the final model's embeddings of the
-    validation and test rows, as the bank received them.
-    """
-
-    gradients: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
-    embeddings: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def add_gradients(self, name: str, epoch: int, step: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        record = self.gradients.setdefault(name, {"epoch": [], "step": [], "rows": [], "grads": []})
-        record["epoch"].append(torch.full((len(rows),), epoch, dtype=torch.int64))
-        record["step"].append(torch.full((len(rows),), step, dtype=torch.int64))
-        record["rows"].append(rows.clone())
-        record["grads"].append(grad.detach().clone())
-
-    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """One flat tensor dict per file: ``gradients-<name>`` and ``embeddings-<name>``."""
-        out = {f"gradients-{n}": {k: torch.cat(v) for k, v in r.items()} for n, r in self.gradients.items()}
-        out |= {f"embeddings-{n}": r for n, r in self.embeddings.items()}
-        return out
 
 
 @dataclass
@@ -203,7 +178,7 @@ class Coordinator:
         every = self.config.checkpoint_every
         return self.checkpoint_dir is not None and (flush or bool(every and (step + 1) % every == 0))
 
-    def _save(self, loop: _Loop, optimizer: torch.optim.Optimizer) -> None:
+    def _save(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         assert self.top is not None and self.checkpoint_dir is not None
         tensors = {f"top.{k}": v.detach().clone() for k, v in self.top.state_dict().items()}
         optim, optim_meta = flatten_optimizer(optimizer, "optim")
@@ -214,7 +189,7 @@ class Coordinator:
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths}
         write_checkpoint(self.checkpoint_dir, loop.step - 1, tensors, meta)
 
-    def _rollback(self, loop: _Loop, optimizer: torch.optim.Optimizer, cause: Exception | str) -> _Loop:
+    def _rollback(self, loop: LoopState, optimizer: torch.optim.Optimizer, cause: Exception | str) -> LoopState:
         """Every party back to the latest step all of them have checkpointed."""
         assert self.top is not None and self.checkpoint_dir is not None
         common = set(checkpoint_steps(self.checkpoint_dir))
@@ -230,7 +205,7 @@ class Coordinator:
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
         grads = checkpoint.section("grads")
-        restored = _Loop.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))])
+        restored = LoopState.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))])
         best = checkpoint.section("best_top")
         restored.best_top = best or None
         self.rollbacks += 1
@@ -273,11 +248,11 @@ class Coordinator:
         if resume:
             top, optimizer = self._reattach()
             self.top = top
-            loop = self._rollback(_Loop(grads=[]), optimizer, "resuming after the bank stopped")
+            loop = self._rollback(LoopState(grads=[]), optimizer, "resuming after the bank stopped")
         else:
             top, optimizer = self._start()
             self.top = top
-            loop = _Loop(grads=[None] * len(self.parties))
+            loop = LoopState(grads=[None] * len(self.parties))
         try:
             while True:
                 try:
@@ -310,7 +285,7 @@ class Coordinator:
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )
 
-    def _train(self, loop: _Loop, optimizer: torch.optim.Optimizer) -> None:
+    def _train(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         """Train from ``loop``'s position to the end; ``loop`` always says where training stands."""
         top = self.top
         assert top is not None
@@ -393,37 +368,6 @@ class Coordinator:
             if self.config.max_steps is not None and loop.step >= self.config.max_steps:
                 loop.done = True
             loop.next_epoch()
-
-
-@dataclass
-class _Loop:
-    """Where training stands: enough, with the parties' checkpoints, to continue exactly."""
-
-    grads: list[torch.Tensor | None]
-    epoch: int = 0
-    batch: int = 0  # the next batch of this epoch
-    step: int = 0  # the next step number
-    flushed: bool = False
-    losses: list[float] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    best_score: float | None = None
-    best_epoch: int = -1
-    best_top: dict[str, torch.Tensor] | None = None
-    stale: int = 0
-    done: bool = False
-
-    def next_epoch(self) -> None:
-        self.epoch, self.batch, self.flushed, self.losses = self.epoch + 1, 0, False, []
-
-    def meta(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch": self.batch, "step": self.step, "flushed": self.flushed,
-                "losses": self.losses, "history": self.history, "best_score": self.best_score,
-                "best_epoch": self.best_epoch, "stale": self.stale, "done": self.done}
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any], grads: list[torch.Tensor | None]) -> _Loop:
-        return cls(grads=grads, **{k: meta[k] for k in ("epoch", "batch", "step", "flushed", "losses", "history",
-                                                         "best_score", "best_epoch", "stale", "done")})
 
 
 def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:

@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from parties.errors import BudgetExhausted
+from parties.protocol import PrivacyReport
 
 __all__ = ["EmbeddingDP", "PrivacyConfig", "epsilon_after"]
 
@@ -63,6 +64,11 @@ class EmbeddingDP:
     def epsilon(self, releases: int | None = None) -> float:
         k = int(self.releases.max()) if releases is None else releases
         return epsilon_after(k, self.noise_multiplier, self.config.delta)
+
+    def report(self, session: str) -> PrivacyReport:
+        return PrivacyReport(session=session, enabled=True, epsilon=self.epsilon(), delta=self.config.delta,
+                             max_releases=int(self.releases.max()), noise_multiplier=self.noise_multiplier,
+                             budget=self.config.budget)
 
     def check(self, rows: torch.Tensor) -> None:
         """Refuse, before anything is released, a release that would pass the budget."""

@@ -164,11 +164,7 @@ class PartnerCore:
 
     def privacy(self, session_id: str) -> PrivacyReport:
         dp = self.training(session_id).trainer.dp
-        if dp is None:
-            return PrivacyReport(session=session_id, enabled=False)
-        return PrivacyReport(session=session_id, enabled=True, epsilon=dp.epsilon(), delta=dp.config.delta,
-                             max_releases=int(dp.releases.max()), noise_multiplier=dp.noise_multiplier,
-                             budget=dp.config.budget)
+        return dp.report(session_id) if dp is not None else PrivacyReport(session=session_id, enabled=False)
 
     def finish_training(self, session_id: str, restore_best: bool) -> ModelFiles:
         session = self.training(session_id)
