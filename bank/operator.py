@@ -57,6 +57,11 @@ class BankOperator:
                                  params={"model": model_id, "allow_missing": str(allow_missing).lower()})
         return JobStatus.model_validate(response.json())
 
+    def wait_job_id(self, job: JobStatus) -> str:
+        """Wait for ``job`` to end well; return its id (to fetch what it produced)."""
+        self.wait(job)
+        return job.job_id
+
     def scores(self, job_id: str) -> bytes:
         return self._request("GET", f"/scorings/{job_id}/scores.csv").content
 

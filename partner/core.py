@@ -16,6 +16,7 @@ from alignment.parallel import WorkerPool
 from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import AlignmentMismatch, BadMessage, DataError, OutOfOrder, UnknownSession
+from parties.privacy import EmbeddingDP
 from parties.scoring import ScoringBottom
 from parties.protocol import (
     AlignmentInfo,
@@ -55,6 +56,8 @@ class PartnerCore:
         self._training: dict[str, PartySession] = {}
         self.scoring_alignments: dict[str, np.ndarray] = {}
         self.models: dict[str, ScoringBottom] = {}
+        # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
+        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.clip is not None else None
 
     def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
         with self._lock:
@@ -205,8 +208,13 @@ class PartnerCore:
             raise UnknownSession(f"no customers aligned for scoring under {alignment_id}")
         if positions.dim() != 1 or positions.numel() == 0 or int(positions.min()) < 0 or int(positions.max()) >= len(rows):
             raise BadMessage(f"positions must lie in [0, {len(rows)})")
-        features = model.encoder.transform(self.table.features.iloc[rows[positions.numpy()]])
-        return model.embed(torch.from_numpy(features))
+        table_rows = rows[positions.numpy()]
+        features = model.encoder.transform(self.table.features.iloc[table_rows])
+        z = model.embed(torch.from_numpy(features))
+        if self.scoring_dp is not None:
+            z = self.scoring_dp.release(z, torch.from_numpy(table_rows.astype(np.int64)))
+            logger.info("scoring release: ε spent on scoring so far %.2f", self.scoring_dp.epsilon())
+        return z
 
     def _expire(self) -> None:
         now = time.monotonic()

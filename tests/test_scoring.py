@@ -106,3 +106,21 @@ def test_score_cli_reports_a_missing_file(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert run.returncode == 2 and "nope.csv: cannot read" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_scoring_releases_are_noised_and_counted_under_embedding_dp(pki, bank_full, tmp_path, start_partner, start_bank) -> None:
+    from parties.privacy import PrivacyConfig
+
+    paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
+    partner = start_partner(paths["partner"], privacy=PrivacyConfig(clip=1.0, noise=1.0))
+    bank = start_bank(paths["bank"], {"partner": partner.url})
+    with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
+        op.wait(op.start_alignment())
+        result = op.wait(op.start_training(TrainingConfig(epochs=1, batch_size=128)))
+        customers = pd.read_csv(paths["bank"], dtype=str).drop(columns=["y"]).head(300).to_csv(index=False).encode()
+        first = pd.read_csv(io.BytesIO(op.scores(op.wait_job_id(op.start_scoring(result["session"], customers)))))
+        second = pd.read_csv(io.BytesIO(op.scores(op.wait_job_id(op.start_scoring(result["session"], customers)))))
+    dp = partner.app.state.core.scoring_dp
+    assert dp.releases.max() == 2  # each scored customer released twice, both counted
+    scored = first["status"] == "scored"
+    assert scored.sum() > 100 and not np.allclose(first["score"][scored], second["score"][scored])  # fresh noise
