@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from bank.aggregation import get_aggregation
@@ -368,7 +367,3 @@ class Coordinator:
             if self.config.max_steps is not None and loop.step >= self.config.max_steps:
                 loop.done = True
             loop.next_epoch()
-
-
-def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(history)
