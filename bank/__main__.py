@@ -41,6 +41,14 @@ def _partners(items: list[str]) -> dict[str, str] | None:
     return out
 
 
+def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the bank's operator reaches its own service: its URL and the bank's certificate."""
+    parser.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
+    parser.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
+    parser.add_argument("--tls-dir", type=Path, default=None)
+    parser.add_argument("--insecure", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bank", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,19 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
 
     a = sub.add_parser("align", help="align customers with every partner, through the running bank service")
-    a.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
-    a.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
-    a.add_argument("--tls-dir", type=Path, default=None)
-    a.add_argument("--insecure", action="store_true")
+    _add_operator_arguments(a)
     a.add_argument("--partners", default=None, help="comma-separated subset of partners")
     a.add_argument("--min-intersection", type=int, default=None)
     a.add_argument("--log-level", default="WARNING")
 
     t = sub.add_parser("train", help="train across every partner, through the running bank service")
-    t.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
-    t.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
-    t.add_argument("--tls-dir", type=Path, default=None)
-    t.add_argument("--insecure", action="store_true")
+    _add_operator_arguments(t)
     t.add_argument("--config", type=Path, default=None, help="a JSON file of training settings (see bank/config.py)")
     t.add_argument("--epochs", type=int, default=None)
     t.add_argument("--batch-size", type=int, default=None)
@@ -75,10 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-level", default="WARNING")
 
     sc = sub.add_parser("score", help="score new customers with a trained model, through the running bank service")
-    sc.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
-    sc.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
-    sc.add_argument("--tls-dir", type=Path, default=None)
-    sc.add_argument("--insecure", action="store_true")
+    _add_operator_arguments(sc)
     sc.add_argument("--model", required=True, help="the model id (its training session)")
     sc.add_argument("--data", type=Path, required=True, help="CSV of customer IDs and the bank's own columns")
     sc.add_argument("--out", type=Path, required=True, help="where to write the scores (CSV)")
