@@ -14,14 +14,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.routing import BaseRoute
 
-from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
-from parties.protocol import CALLER_HEADER, Identity
+from parties.access import check_declared_length, ensure_role, identify
+from parties.errors import CutlayerError, Forbidden, PayloadTooLarge
+from parties.hotpath import HotPath, HotRoute
+from parties.protocol import Identity
 from parties.settings import ServiceSettings
-from parties.tls import ROLES, PeerIdentity, peer_identity
+from parties.tls import PeerIdentity
 
-__all__ = ["caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
+__all__ = ["PartyApp", "caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +33,7 @@ logger = logging.getLogger(__name__)
 
 async def caller(request: Request) -> PeerIdentity:
     """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
-    settings: ServiceSettings = request.app.state.settings
-    tls = request.scope.get("extensions", {}).get("tls") or {}
-    if tls.get("peercert"):
-        identity = peer_identity(tls["peercert"])
-        if identity is None:
-            raise Forbidden("the client certificate names no Cutlayer party and role")
-        return identity
-    if settings.insecure:
-        role, _, name = request.headers.get(CALLER_HEADER, "").partition(":")
-        if role in ROLES and name:
-            return PeerIdentity(name=name, role=role)
-        raise Forbidden(f"--insecure mode: say who calls in the {CALLER_HEADER} header as ROLE:NAME")
-    raise Forbidden("a client certificate is required")
-
-
-def ensure_role(identity: PeerIdentity, role: str) -> PeerIdentity:
-    if identity.role != role:
-        raise Forbidden(f"this endpoint is for the {role}; the caller is a {identity.role}")
-    return identity
+    return identify(request.app.state.settings, request.scope)
 
 
 def require_role(role: str) -> Callable[..., PeerIdentity]:
@@ -72,13 +55,7 @@ async def require_self(request: Request, identity: PeerIdentity = Depends(caller
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit}")
-        except ValueError as exc:
-            raise BadMessage("content-length is not a number") from exc
+    check_declared_length(request.headers.get("content-length"), limit)
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
@@ -86,6 +63,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
         parts.append(part)
     return b"".join(parts)
+
+
+class PartyApp(FastAPI):
+    """A FastAPI app that answers its hot routes (``parties.hotpath``) before its middleware stack."""
+
+    hot: HotPath | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.hot is not None and (found := self.hot.match(scope)) is not None:
+            await self.hot.handle(*found, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def _error(status: int, kind: str, detail: str) -> JSONResponse:
@@ -97,10 +86,12 @@ def create_party_app(
     *,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]],
     routers: Sequence[APIRouter],
-    routes: Sequence[BaseRoute] = (),
+    hot_routes: Sequence[HotRoute] = (),
 ) -> FastAPI:
-    app = FastAPI(title=f"Cutlayer {settings.role} service ({settings.name})", lifespan=lifespan)
+    app = PartyApp(title=f"Cutlayer {settings.role} service ({settings.name})", lifespan=lifespan)
     app.state.settings = settings
+    if hot_routes:
+        app.hot = HotPath(hot_routes, settings, app.state)
 
     @app.exception_handler(CutlayerError)
     async def _domain_error(request: Request, exc: CutlayerError) -> JSONResponse:
@@ -132,5 +123,4 @@ def create_party_app(
     app.include_router(common)
     for router in routers:
         app.include_router(router)
-    app.router.routes.extend(routes)
     return app

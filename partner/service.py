@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.routing import Route
 
-from parties.app import caller, create_party_app, ensure_role, read_body, require_role, require_self
+from parties.app import create_party_app, read_body, require_role, require_self
 from parties.dataset import PartyTable, load_party_table
 from parties.errors import BadMessage, OutOfOrder
+from parties.hotpath import HotRequest, HotResponse, HotRoute
 from parties.protocol import (
     ALIGNMENT_HEADER,
     DIGEST_HEADER,
@@ -31,8 +31,8 @@ from parties.protocol import (
     RestoreRequest,
     TrainSessionInfo,
 )
-from parties.wire import SAFETENSORS, WireMessage, decode, encode
 from parties.settings import PartnerSettings
+from parties.wire import SAFETENSORS, WireMessage, decode, encode
 from partner.core import WAIT_SECONDS, PartnerCore
 
 __all__ = ["create_app"]
@@ -111,13 +111,19 @@ async def abort(session_id: str, c: PartnerCore = Depends(core)) -> Response:
     return Response(status_code=204)
 
 
-async def _message(
-    request: Request, c: PartnerCore, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
+def _checked(
+    body: bytes, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
 ) -> WireMessage:
-    message = decode(await read_body(request, c.settings.max_body_bytes), allowed, check_finite=check_finite)
+    message = decode(body, allowed, check_finite=check_finite)
     if session is not None and message.meta.get("session") != session:
         raise BadMessage("the message names another session than the URL")
     return message
+
+
+async def _message(
+    request: Request, c: PartnerCore, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
+) -> WireMessage:
+    return _checked(await read_body(request, c.settings.max_body_bytes), allowed, session, check_finite=check_finite)
 
 
 def _tensors(tensors: dict[str, torch.Tensor], **meta: object) -> Response:
@@ -134,20 +140,20 @@ async def start_training(request: Request, c: PartnerCore = Depends(core)) -> Tr
     return await run_in_threadpool(c.start_training, session, alignment, rows)
 
 
-async def step(request: Request) -> Response:
-    """One training step. The hot path: a plain Starlette route (FastAPI's dependency solving costs
-    more than the checks it would run), and the small forward/backward runs inline, not in a thread."""
-    ensure_role(await caller(request), "bank")
-    c: PartnerCore = request.app.state.core
-    session_id = request.path_params["session_id"]
+async def step(request: HotRequest) -> HotResponse:
+    """One training step: a hot route (``parties.hotpath``), and the small forward/backward runs
+    inline on the event loop, not in a thread (a thread hop costs more than the step)."""
+    c: PartnerCore = request.state.core
+    session_id = request.params["session_id"]
     trainer = c.training(session_id).trainer
     # BottomTrainer.step checks the gradient's finiteness itself.
-    message = await _message(request, c, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
+    message = _checked(request.body, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
     z = trainer.step(number, message.get("grad"), message.get("rows"))
     if message.meta.get("checkpoint") == "1":  # every party checkpoints after the same step
         c.checkpoint(session_id)
-    return _tensors({} if z is None else {"embedding": z}, session=session_id, step=number)
+    body = encode({} if z is None else {"embedding": z}, session=session_id, step=number)
+    return HotResponse(body, SAFETENSORS)
 
 
 @train.post("/{session_id}/embed")
@@ -232,5 +238,5 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
         finally:
             app.state.core.close()
 
-    routes = [Route("/train/sessions/{session_id}/step", step, methods=["POST"])]
-    return create_party_app(settings, lifespan=lifespan, routers=[psi, train, models, admin], routes=routes)
+    hot = [HotRoute("POST", "/train/sessions/{session_id}/step", "bank", step)]
+    return create_party_app(settings, lifespan=lifespan, routers=[psi, train, models, admin], hot_routes=hot)

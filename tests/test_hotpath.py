@@ -1,0 +1,118 @@
+"""Hot routes answer before FastAPI, with the same identity checks, body limits and error answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import APIRouter, FastAPI
+
+from parties.app import create_party_app
+from parties.client import make_client
+from parties.errors import OutOfOrder
+from parties.hotpath import HotRequest, HotResponse, HotRoute
+from parties.server import ServerThread
+from parties.settings import PartnerSettings
+from parties.tls import PeerIdentity, TLSFiles
+
+LIMIT = 1 << 16
+
+
+async def echo(request: HotRequest) -> HotResponse:
+    if request.body == b"refuse":
+        raise OutOfOrder("refused on purpose")
+    if request.body == b"crash":
+        raise RuntimeError("a bug")
+    answer = f"{request.caller.role}:{request.caller.name}:{request.params['thing']}:{request.state.seen}:"
+    return HotResponse(answer.encode() + request.body, "application/octet-stream")
+
+
+def _app(settings: PartnerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.seen = "state"
+        yield
+
+    cold = APIRouter()
+
+    @cold.post("/things/{thing}/cold")
+    async def cold_route(thing: str) -> dict[str, str]:
+        return {"thing": thing}
+
+    hot = [HotRoute("POST", "/things/{thing}/echo", "bank", echo)]
+    return create_party_app(settings, lifespan=lifespan, routers=[cold], hot_routes=hot)
+
+
+def _settings(pki: Path, tmp_path: Path, **extra: object) -> PartnerSettings:
+    files = TLSFiles.from_dir(pki, "partner")
+    return PartnerSettings(name="partner", data=tmp_path / "unused.csv", tls_ca=files.ca, tls_cert=files.cert,
+                           tls_key=files.key, state_dir=tmp_path / "state", max_body_bytes=LIMIT, **extra)
+
+
+@pytest.fixture()
+def server(pki: Path, tmp_path: Path) -> Iterator[ServerThread]:
+    settings = _settings(pki, tmp_path)
+    thread = ServerThread(_app(settings), settings.tls_files()).start()
+    yield thread
+    thread.stop()
+
+
+def _client(pki: Path, name: str, url: str) -> httpx.Client:
+    return make_client(TLSFiles.from_dir(pki, name), base_url=url)
+
+
+def test_hot_route_answers_with_caller_params_and_state(server: ServerThread, pki: Path) -> None:
+    with _client(pki, "bank", server.url) as client:
+        response = client.post("/things/abc/echo", content=b"payload")
+        assert response.status_code == 200
+        assert response.content == b"bank:bank:abc:state:payload"
+        assert response.headers["content-type"] == "application/octet-stream"
+        # everything else still goes through FastAPI
+        assert client.post("/things/abc/cold").json() == {"thing": "abc"}
+        assert client.get("/things/abc/echo").status_code == 405  # not hot for GET: FastAPI answers
+
+
+@pytest.mark.parametrize(
+    ("caller", "body", "status", "kind"),
+    [
+        ("partner2", b"x", 403, "Forbidden"),  # a partner's certificate posing as the bank
+        ("bank", b"refuse", 409, "OutOfOrder"),
+        ("bank", b"crash", 500, "InternalError"),
+        ("bank", b"x" * (LIMIT + 1), 413, "PayloadTooLarge"),
+    ],
+    ids=["wrong-role", "domain-error", "unexpected-error", "oversized"],
+)
+def test_hot_route_refusals_are_json_with_the_usual_status(
+    server: ServerThread, pki: Path, caller: str, body: bytes, status: int, kind: str
+) -> None:
+    with _client(pki, caller, server.url) as client:
+        response = client.post("/things/abc/echo", content=body)
+    assert response.status_code == status
+    assert response.json()["error"] == kind
+    assert "Traceback" not in response.text
+
+
+def test_streamed_body_over_the_limit_is_refused_without_a_declared_length(server: ServerThread, pki: Path) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(4):
+            yield b"y" * (LIMIT // 2)
+
+    with _client(pki, "bank", server.url) as client:
+        response = client.post("/things/abc/echo", content=chunks())
+    assert response.status_code == 413
+
+
+def test_insecure_mode_needs_the_caller_header(pki: Path, tmp_path: Path) -> None:
+    settings = _settings(pki, tmp_path, insecure=True)
+    thread = ServerThread(_app(settings), None).start()
+    try:
+        with make_client(None, base_url=thread.url) as anonymous:
+            assert anonymous.post("/things/a/echo", content=b"x").status_code == 403
+        bank = PeerIdentity(name="bank", role="bank")
+        with make_client(None, caller=bank, base_url=thread.url) as client:
+            assert client.post("/things/a/echo", content=b"x").content == b"bank:bank:a:state:x"
+    finally:
+        thread.stop()
