@@ -76,7 +76,8 @@ class BottomTrainer:
             raise BadMessage("rows must be a 1-D int64 tensor")
         if not 0 < rows.numel() <= MAX_BATCH_ROWS:
             raise BadMessage(f"a batch holds 1 to {MAX_BATCH_ROWS} rows, got {rows.numel()}")
-        if int(rows.min()) < 0 or int(rows.max()) >= self.n_rows:
+        low, high = torch.aminmax(rows)
+        if int(low) < 0 or int(high) >= self.n_rows:
             raise BadMessage(f"rows must lie in [0, {self.n_rows})")
 
     def _check_grad(self, grad: torch.Tensor | None) -> None:

@@ -87,6 +87,7 @@ def build_server(app: Any, tls: TLSFiles | None, *, log_level: str = "warning") 
         log_level=log_level,
         log_config=None,  # the entry point configures logging
         access_log=False,  # access lines carry URLs and peers; our own logs say what matters
+        proxy_headers=False,  # parties talk directly over mutual TLS; never trust X-Forwarded-* headers
         timeout_graceful_shutdown=5,
         **kwargs,
     )
