@@ -72,6 +72,7 @@ class InProcessParty:
         return self._checkpoint_dir(self._live().session_id)
 
     def checkpoints(self) -> list[int]:
+        self._live().flush_checkpoints()
         return checkpoint_steps(self._folder())
 
     def attach(self, session_id: str, width: int) -> None:
@@ -81,6 +82,8 @@ class InProcessParty:
         steps = checkpoint_steps(folder)
         if not steps:
             raise PeerError(f"{self.name}: no checkpoint of session {session_id}")
+        if self.session is not None:
+            self.session.close()
         self.session = PartySession.from_checkpoint(folder, steps[-1], self.table, self._alignment())
         if self.session.trainer.width != width:
             raise PeerError(f"{self.name}: the checkpoint's width {self.session.trainer.width} is not {width}")
@@ -107,5 +110,7 @@ class InProcessParty:
         return dp.report(session.session_id) if dp is not None else PrivacyReport(session=session.session_id, enabled=False)
 
     def end(self) -> None:
+        if self.session is not None:
+            self.session.close()
         self.session = None
 

@@ -29,7 +29,13 @@ from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.task import Task
-from parties.checkpoint import checkpoint_steps, flatten_optimizer, read_checkpoint, unflatten_optimizer, write_checkpoint
+from parties.checkpoint import (
+    CheckpointWriter,
+    checkpoint_steps,
+    flatten_optimizer,
+    read_checkpoint,
+    unflatten_optimizer,
+)
 from parties.errors import Behind, ConfigError, CutlayerError, PeerError, PeerUnavailable
 from parties.model import build_optimizer, mlp
 
@@ -86,6 +92,7 @@ class Coordinator:
         self.eval_rows_sent = 0  # rows embedded for evaluation
         self.audit = AuditRecord() if config.audit else None
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
+        self.writer = CheckpointWriter()
         self.rollbacks = 0
 
     # --- calling every party at once ----------------------------------------------------
@@ -186,12 +193,19 @@ class Coordinator:
         if loop.best_top is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths}
-        write_checkpoint(self.checkpoint_dir, loop.step - 1, tensors, meta)
+        self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta)
+
+    def _checkpoint_steps(self) -> list[int]:
+        """The bank's own checkpoints, once every write it started is on disk."""
+        if self.checkpoint_dir is None:
+            return []
+        self.writer.flush()
+        return checkpoint_steps(self.checkpoint_dir)
 
     def _rollback(self, loop: LoopState, optimizer: torch.optim.Optimizer, cause: Exception | str) -> LoopState:
         """Every party back to the latest step all of them have checkpointed."""
         assert self.top is not None and self.checkpoint_dir is not None
-        common = set(checkpoint_steps(self.checkpoint_dir))
+        common = set(self._checkpoint_steps())
         for p in self.parties:
             common &= set(self._retrying(p, p.checkpoints))
         if not common:
@@ -212,7 +226,7 @@ class Coordinator:
 
     def _reattach(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """After the bank restarted: find the session's parties again, from the bank's own checkpoints."""
-        steps = checkpoint_steps(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        steps = self._checkpoint_steps()
         if not steps:
             raise ConfigError(f"session {self.session_id} has no checkpoint to resume from")
         assert self.checkpoint_dir is not None
@@ -222,11 +236,17 @@ class Coordinator:
         return self._build_top()
 
     def _last_consistent(self) -> str:
-        """Say which step every party can go back to (the bank checkpoints only after all parties did)."""
-        steps = checkpoint_steps(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        """Say where a resume starts. The bank checkpoints a step once every party has taken its own
+        snapshot of it; a party's write may still have been in flight when it died, so a resume goes
+        back to the latest step that every party holds on disk."""
+        try:
+            steps = self._checkpoint_steps()
+        except OSError as exc:
+            return f"the bank could not write its checkpoint ({exc})"
         if not steps:
             return "no step is checkpointed by every party yet"
-        return f"the last step every party has checkpointed is {steps[-1]} (session {self.session_id})"
+        return (f"the bank has checkpointed step {steps[-1]} (session {self.session_id}); a resume goes back to "
+                "the latest step every party holds")
 
     def _retrying(self, party: TrainingParty, call: Callable[[], Any]) -> Any:
         """A control call to a party that may still be restarting: retried until the party's deadline."""
@@ -267,6 +287,7 @@ class Coordinator:
             if restore:
                 top.load_state_dict(loop.best_top)
             self.files = self._all(lambda p: p.finish(restore_best=restore))
+            self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
             test, scores = self.evaluate(top, self.split.test)
             if self.audit is not None:
                 self._record_embeddings(self.audit)
@@ -277,6 +298,10 @@ class Coordinator:
                 except Exception:
                     logger.warning("could not end the training session at %s", p.name)
             self._pool.shutdown(wait=False)
+            try:
+                self.writer.close()
+            except OSError as exc:
+                logger.warning("session %s: a checkpoint could not be written: %s", self.session_id, exc)
         return TrainingOutcome(
             session_id=self.session_id, history=loop.history, test_metrics=test, best_epoch=loop.best_epoch,
             steps=loop.step, split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,

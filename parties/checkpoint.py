@@ -5,6 +5,9 @@ optimiser moments, whatever else the state holds) plus a JSON document in the
 metadata (step counters, optimiser hyper-parameters, positions). It is written
 to a temporary file, fsynced and renamed, so a crash during a save leaves the
 previous checkpoints intact and no half-written one. The last ``keep`` are kept.
+
+Training writes them through a ``CheckpointWriter``: the snapshot is taken at
+once, and the write, which waits on the disk, overlaps the next steps.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +28,8 @@ from safetensors.torch import save as save_tensors
 from parties.errors import DataError
 from parties.files import atomic_write_bytes
 
-__all__ = ["Checkpoint", "checkpoint_steps", "flatten_optimizer", "read_checkpoint", "unflatten_optimizer",
-           "write_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
+           "unflatten_optimizer", "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +69,65 @@ def unflatten_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
 
 
 def write_checkpoint(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int = 2) -> Path:
+    return _write(folder, step, tensors, json.dumps(meta), keep)
+
+
+def _write(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str, keep: int) -> Path:
     path = Path(folder) / f"step-{step}.safetensors"
     if Path(folder).is_dir():  # temporary files a crash left behind (one writer per folder)
         for stale in Path(folder).glob(".step-*.safetensors.*"):
             stale.unlink(missing_ok=True)
-    blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata={"cutlayer": json.dumps(meta)})
+    blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata={"cutlayer": meta_json})
     atomic_write_bytes(path, blob)
     for old in checkpoint_steps(folder)[:-keep]:
         (Path(folder) / f"step-{old}.safetensors").unlink(missing_ok=True)
     logger.info("checkpoint at step %d written", step)
     return path
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, in order, one at a time.
+
+    The caller's snapshot must not change afterwards (clone the tensors); the
+    metadata is turned into JSON at once. Serialising, fsyncing and renaming
+    run on the writer thread while training goes on. Only whole files ever
+    carry a checkpoint's name, so a crash loses at most the write in flight;
+    ``flush`` waits for it, and whoever lists or reads checkpoints flushes
+    first. A failed write is raised by the next ``submit`` or ``flush``.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._pending: Future[Path] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        meta_json = json.dumps(meta)
+        with self._lock:
+            self._wait()  # one in flight: bounded memory, and a failure surfaces at the next checkpoint
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._pending = self._pool.submit(_write, folder, step, tensors, meta_json, self.keep)
+
+    def flush(self) -> None:
+        """Wait until every submitted checkpoint is on disk; raise if a write failed."""
+        with self._lock:
+            self._wait()
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._wait()
+            finally:
+                if self._pool is not None:
+                    self._pool.shutdown()
+                    self._pool = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 def checkpoint_steps(folder: Path) -> list[int]:

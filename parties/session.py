@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from parties.bottom import BottomTrainer
-from parties.checkpoint import read_checkpoint, write_checkpoint
+from parties.checkpoint import CheckpointWriter, read_checkpoint
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage
 from parties.features import TabularEncoder
@@ -51,6 +51,7 @@ class PartySession:
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
         self.privacy, self.monitor = privacy, monitor
         self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor)
+        self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
                     session_id, n, self.encoder.width, config.cut_width)
@@ -58,18 +59,26 @@ class PartySession:
     # --- checkpoints -----------------------------------------------------------------------
 
     def checkpoint(self, folder: Path) -> int:
-        """Write the state after the last processed step; returns that step."""
+        """Snapshot the state after the last processed step and write it in the background; returns that step."""
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
                 "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
                 "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
                 "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
-        write_checkpoint(folder, step, tensors, meta)
+        self.writer.submit(folder, step, tensors, meta)
         return step
+
+    def flush_checkpoints(self) -> None:
+        """Wait until every checkpoint taken so far is on disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
     def restore(self, folder: Path, step: int) -> None:
         """Roll this session back (or forward) to its checkpoint at ``step``."""
+        self.writer.flush()
         checkpoint = read_checkpoint(folder, step)
         if checkpoint.meta["session"] != self.session_id:
             raise BadMessage(f"the checkpoint at step {step} belongs to another session")
@@ -91,6 +100,7 @@ class PartySession:
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
+        self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
         return self

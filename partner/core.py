@@ -155,7 +155,7 @@ class PartnerCore:
         return session
 
     def checkpoints(self, session_id: str) -> list[int]:
-        self.training(session_id)
+        self.training(session_id).flush_checkpoints()
         return checkpoint_steps(self.checkpoint_dir(session_id))
 
     def checkpoint(self, session_id: str) -> int:
@@ -179,8 +179,10 @@ class PartnerCore:
 
     def end_training(self, session_id: str) -> None:
         with self._lock:
-            if self._training.pop(session_id, None) is not None:
-                logger.info("training session %s ended", session_id)
+            session = self._training.pop(session_id, None)
+        if session is not None:
+            session.close()
+            logger.info("training session %s ended", session_id)
 
     # --- scoring with a trained model -------------------------------------------------------
 
@@ -226,3 +228,7 @@ class PartnerCore:
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
+        with self._lock:
+            sessions, self._training = list(self._training.values()), {}
+        for session in sessions:  # checkpoints already taken still reach the disk
+            session.close()

@@ -1,0 +1,37 @@
+"""Background checkpoint writes: in order, whole, flushed on demand, failures never lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
+
+
+def test_flush_makes_every_submitted_checkpoint_readable_and_keeps_the_last_ones(tmp_path: Path) -> None:
+    writer = CheckpointWriter(keep=2)
+    for step in range(5):
+        meta = {"step": step, "history": [step]}
+        writer.submit(tmp_path, step, {"w": torch.full((3,), float(step))}, meta)
+        meta["history"].append("changed after submit")  # the metadata was taken at submit time
+    writer.flush()
+    assert checkpoint_steps(tmp_path) == [3, 4]
+    last = read_checkpoint(tmp_path, 4)
+    assert last.meta == {"step": 4, "history": [4]}
+    assert torch.equal(last.tensors["w"], torch.full((3,), 4.0))
+    writer.close()
+
+
+def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the checkpoint folder should be")
+    writer = CheckpointWriter()
+    writer.submit(blocker, 0, {"w": torch.zeros(2)}, {})
+    with pytest.raises(OSError):
+        writer.flush()
+    writer.flush()  # reported once, then the writer carries on
+    writer.submit(tmp_path / "ok", 1, {"w": torch.zeros(2)}, {})
+    writer.close()
+    assert checkpoint_steps(tmp_path / "ok") == [1]
