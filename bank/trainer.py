@@ -117,6 +117,7 @@ class Coordinator:
         The partners' requests are on the wire while the bank runs
         ``while_waiting`` and its own bottom, without a thread: on a small
         model a thread hop costs as much as the overlap gains.
+        ``while_waiting`` may fill in ``grads[0]``, the bank's own gradient.
         """
         own, *others = self.parties
         started = time.perf_counter()
@@ -317,15 +318,18 @@ class Coordinator:
         better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
         steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
         total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
-        top_has_gradients = [False]
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
 
-        def apply_top_update() -> None:
-            # The top's optimiser step for step t runs while the parties work on step t+1:
-            # still before the top's next forward, so the computation is unchanged.
-            if top_has_gradients[0]:
+        def finish_step() -> None:
+            # The partners' gradients left first (see below). The rest of step t's backward (the top's
+            # parameters, the bank's own embedding) and the top's optimiser step run while the partners
+            # work on step t+1: still before the top's next forward, so the computation is unchanged.
+            if deferred:
+                loss, own = deferred.pop()
+                loss.backward(inputs=[*top.parameters(), own])
+                loop.grads[0] = own.grad
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                top_has_gradients[0] = False
 
         while loop.epoch < self.config.epochs and not loop.done:
             epoch_start = time.perf_counter()
@@ -334,16 +338,18 @@ class Coordinator:
             while loop.batch < len(batches) and not (capped and loop.step >= self.config.max_steps):
                 rows = batches[loop.batch]
                 checkpoint = self._is_checkpoint(loop.step, flush=False)
-                zs = self._step_all(loop.step, loop.grads, rows, while_waiting=apply_top_update, checkpoint=checkpoint)
+                zs = self._step_all(loop.step, loop.grads, rows, while_waiting=finish_step, checkpoint=checkpoint)
                 self.train_rows_sent += len(rows)
                 leaves = [z.requires_grad_(True) for z in zs]
                 loss = self._loss(top, leaves, rows)
-                loss.backward()
-                top_has_gradients[0] = True
-                loop.grads = [leaves[0].grad] + [
-                    perturb_gradient(leaf.grad, self.config.gradient_defense, self.config.gradient_noise,
+                # Only the partners' gradients are on the critical path: compute them alone, send them
+                # with the next step, and finish the backward while the partners work.
+                theirs = torch.autograd.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
+                deferred.append((loss, leaves[0]))
+                loop.grads = [None] + [
+                    perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,
                                      self.config.seed, loop.step, k)
-                    for k, leaf in enumerate(leaves[1:], start=1)
+                    for k, g in enumerate(theirs, start=1)
                 ]
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
@@ -352,7 +358,7 @@ class Coordinator:
                 loop.step += 1
                 loop.batch += 1
                 if checkpoint:
-                    apply_top_update()
+                    finish_step()
                     self._save(loop, optimizer)
                 if loop.step % 20 == 0 or loop.step >= total_steps:
                     self.progress(
@@ -361,7 +367,7 @@ class Coordinator:
                     )
             if not loop.flushed:
                 checkpoint = self._is_checkpoint(loop.step, flush=True)
-                self._step_all(loop.step, loop.grads, None, while_waiting=apply_top_update, checkpoint=checkpoint)
+                self._step_all(loop.step, loop.grads, None, while_waiting=finish_step, checkpoint=checkpoint)
                 loop.step += 1
                 loop.grads = [None] * len(self.parties)
                 loop.flushed = True
