@@ -44,7 +44,7 @@ class UnsplitModel(nn.Module):
         self.optimizers.append(build_optimizer(self.top.parameters(), top))
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.top(self.aggregation.combine([self.bottoms[n](self.x[n][rows]) for n in self.names]))
+        return self.top(self.aggregation.combine([self.bottoms[n](self.x[n].index_select(0, rows)) for n in self.names]))
 
     def train_step(self, rows: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimiser step of every part on one batch; returns the loss."""

@@ -123,7 +123,7 @@ class BottomTrainer:
             out = None
             if rows is not None:
                 self.model.train()
-                z = self.model(self.x[rows])
+                z = self.model(self.x.index_select(0, rows))
                 if self.dp is not None:
                     z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
@@ -153,7 +153,7 @@ class BottomTrainer:
         self._check_rows(rows)
         with self._lock, torch.no_grad():
             self.model.eval()
-            z = self.model(self.x[rows])
+            z = self.model(self.x.index_select(0, rows))
             self.model.train()
             if self.dp is not None:
                 z = self.dp.release(z, rows)
@@ -211,7 +211,7 @@ class BottomTrainer:
             if rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
-                z = self.model(self.x[rows])
+                z = self.model(self.x.index_select(0, rows))
                 if self.dp is not None:
                     norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
                     clipped = z * torch.clamp(self.dp.clip / norms, max=1.0)
