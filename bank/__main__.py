@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 
-import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 import time
@@ -18,7 +17,7 @@ from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
-from parties.cli import add_service_arguments, configure_logging, run_cli, service_values
+from parties.cli import add_service_arguments, apply_process_settings, configure_logging, run_cli, service_values
 from parties.dataset import load_party_table
 from parties.errors import ConfigError
 from parties.protocol import AlignmentRequest, JobStatus
@@ -99,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--log-level", default="WARNING")
 
     b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
-    b.add_argument("--epochs", type=int, default=3)
+    b.add_argument("--epochs", type=int, default=4, help="epochs per round (default 4)")
+    b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default 3)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
     b.add_argument("--cache-dir", type=Path, default=None)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner)
         )
         assert isinstance(settings, BankSettings)
-        torch.set_num_threads(settings.torch_threads)
+        apply_process_settings(settings.torch_threads, settings.cpus)
         if settings.insecure:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
         table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from bank.bench import bench_json, format_bench, run_training_bench
 
-        torch.set_num_threads(torch.get_num_threads())
-        figures = run_training_bench(args.epochs, args.rows, args.cache_dir)
+        figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
+                                     progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         print(format_bench(figures))
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")

@@ -2,17 +2,23 @@
 
 The split side is the real thing: the bank and one partner as separate
 processes, mutual TLS over loopback, trained through the bank's job resource.
-The unsplit side trains the same architecture on the same rows in this
-process. Both use one torch thread per process (the services' default, and
-the faster setting for these small models; the unsplit model is also timed
-with every core, and the faster of the two is the baseline).
+On a machine with two or more CPUs each service is pinned to a CPU of its own,
+as if it ran on its own machine. The unsplit side trains the same architecture
+on the same rows in this process, with one torch thread and with every core;
+the faster is the baseline.
+
+Machines drift (other tenants, turbo, caches), so the two sides alternate:
+each round trains a split session and then the unsplit model, and the ratio
+reported is the median of the rounds' ratios, each from the median epoch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,11 +46,14 @@ PARTNER_SEED = 1
 class TrainingBench:
     rows: int
     epochs: int
+    rounds: int
+    pinned: bool
     batch_size: int
     split_epoch_seconds: float
     unsplit_epoch_seconds: float
     unsplit_threads: int
     ratio: float
+    ratio_range: tuple[float, float]
     split_epoch_seconds_with_eval: float
     unsplit_epoch_seconds_with_eval: float
     ratio_with_eval: float
@@ -55,33 +64,43 @@ class TrainingBench:
     round_trips_per_epoch: float
 
 
-def _split_side(out: Path, paths: dict[str, Path], config: TrainingConfig) -> dict:
-    write_dev_pki(out / "certs", {"bank": "bank", "partner": "partner"})
-    common = ["--tls-dir", str(out / "certs"), "--torch-threads", "1"]
-    partner = ServiceProcess(
-        "partner", ["--name", "partner", "--data", str(paths["partner"]), "--state-dir", str(out / "partner"),
-                    "--seed", str(PARTNER_SEED), *common],
-        out / "partner.ready", out / "partner.log",
-    )
-    services = [partner]
-    try:
-        url = partner.wait_ready()
-        bank = ServiceProcess(
-            "bank", ["--name", "bank", "--data", str(paths["bank"]), "--state-dir", str(out / "bank"),
-                     f"--partner=partner={url}", *common],
-            out / "bank.ready", out / "bank.log",
-        )
-        services.append(bank)
-        with BankOperator(bank.wait_ready(), TLSFiles.from_dir(out / "certs", "bank")) as op:
-            op.wait(op.start_alignment())
-            return op.wait(op.start_training(config))
-    finally:
-        for s in services:
+class _SplitServices:
+    """A partner and a bank service on this machine, aligned once, trained as often as asked."""
+
+    def __init__(self, out: Path, paths: dict[str, Path], pin: bool) -> None:
+        write_dev_pki(out / "certs", {"bank": "bank", "partner": "partner"})
+        common = ["--tls-dir", str(out / "certs"), "--torch-threads", "1"]
+        cpus = {"partner": ["--cpus", "1"], "bank": ["--cpus", "0"]} if pin else {"partner": [], "bank": []}
+        self.services = [ServiceProcess(
+            "partner", ["--name", "partner", "--data", str(paths["partner"]), "--state-dir", str(out / "partner"),
+                        "--seed", str(PARTNER_SEED), *common, *cpus["partner"]],
+            out / "partner.ready", out / "partner.log",
+        )]
+        try:
+            url = self.services[0].wait_ready()
+            self.services.append(ServiceProcess(
+                "bank", ["--name", "bank", "--data", str(paths["bank"]), "--state-dir", str(out / "bank"),
+                         f"--partner=partner={url}", *common, *cpus["bank"]],
+                out / "bank.ready", out / "bank.log",
+            ))
+            self.operator = BankOperator(self.services[1].wait_ready(), TLSFiles.from_dir(out / "certs", "bank"))
+            self.operator.wait(self.operator.start_alignment())
+        except BaseException:
+            self.close()
+            raise
+
+    def train(self, config: TrainingConfig) -> dict:
+        return self.operator.wait(self.operator.start_training(config))
+
+    def close(self) -> None:
+        if hasattr(self, "operator"):
+            self.operator.close()
+        for s in self.services:
             s.stop()
 
 
 def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) -> tuple[float, float]:
-    """Mean seconds per epoch (training steps; training steps + validation) of the unsplit model."""
+    """Median seconds per epoch (training steps; training steps + validation) of the unsplit model."""
     bank = load_party_table(paths["bank"], "customer_id", "y")
     partner = load_party_table(paths["partner"], "customer_id")
     where = {i: k for k, i in enumerate(partner.ids)}
@@ -114,29 +133,49 @@ def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) 
             totals.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(previous)
-    return float(np.mean(steps)), float(np.mean(totals))
+    return float(np.median(steps)), float(np.median(totals))
 
 
 def run_training_bench(
-    epochs: int = 3, rows: int | None = None, cache: Path | None = None, download: bool = True
+    epochs: int = 3, rows: int | None = None, cache: Path | None = None, download: bool = True, rounds: int = 3,
+    progress: Callable[[str], None] = lambda _msg: None,
 ) -> TrainingBench:
     config = TrainingConfig(epochs=epochs, patience=epochs + 1)
+    pin = len(os.sched_getaffinity(0)) >= 2 if hasattr(os, "sched_getaffinity") else False
+    split_steps, split_totals, unsplit_steps, unsplit_totals, threads_used = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="cutlayer-train-bench-") as tmp:
         out = Path(tmp)
         paths = prepare_bank_marketing(out / "data", rows=rows, cache=cache, download=download)
-        result = _split_side(out, paths, config)
-        history = pd.read_csv(Path(result["run_dir"]) / "history.csv")
-        unsplit = {t: _unsplit_side(paths, config, t) for t in (1, torch.get_num_threads())}
-    threads = min(unsplit, key=lambda t: unsplit[t][0])
-    steps_s, total_s = unsplit[threads]
-    split_steps, split_total = float(history["train_seconds"].mean()), float(history["seconds"].mean())
-    comm = result["communication"]["partner"]
+        services = _SplitServices(out, paths, pin)
+        try:
+            for r in range(rounds):
+                result = services.train(config)
+                if r == 0:
+                    first = result
+                history = pd.read_csv(Path(result["run_dir"]) / "history.csv")
+                split_steps.append(float(history["train_seconds"].median()))
+                split_totals.append(float(history["seconds"].median()))
+                unsplit = {t: _unsplit_side(paths, config, t) for t in sorted({1, torch.get_num_threads()})}
+                threads = min(unsplit, key=lambda t: unsplit[t][0])
+                unsplit_steps.append(unsplit[threads][0])
+                unsplit_totals.append(unsplit[threads][1])
+                threads_used.append(threads)
+                progress(f"round {r + 1}/{rounds}: split {split_steps[-1]:.3f} s, unsplit {unsplit_steps[-1]:.3f} s "
+                         f"per epoch ({split_steps[-1] / unsplit_steps[-1]:.2f}x)")
+        finally:
+            services.close()
+    ratios = [s / u for s, u in zip(split_steps, unsplit_steps)]
+    totals = [s / u for s, u in zip(split_totals, unsplit_totals)]
+    comm = first["communication"]["partner"]
     return TrainingBench(
-        rows=sum(result["rows"].values()), epochs=epochs, batch_size=config.batch_size,
-        split_epoch_seconds=round(split_steps, 4), unsplit_epoch_seconds=round(steps_s, 4), unsplit_threads=threads,
-        ratio=round(split_steps / steps_s, 3),
-        split_epoch_seconds_with_eval=round(split_total, 4), unsplit_epoch_seconds_with_eval=round(total_s, 4),
-        ratio_with_eval=round(split_total / total_s, 3),
+        rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=pin, batch_size=config.batch_size,
+        split_epoch_seconds=round(float(np.median(split_steps)), 4),
+        unsplit_epoch_seconds=round(float(np.median(unsplit_steps)), 4),
+        unsplit_threads=max(set(threads_used), key=threads_used.count),
+        ratio=round(float(np.median(ratios)), 3), ratio_range=(round(min(ratios), 3), round(max(ratios), 3)),
+        split_epoch_seconds_with_eval=round(float(np.median(split_totals)), 4),
+        unsplit_epoch_seconds_with_eval=round(float(np.median(unsplit_totals)), 4),
+        ratio_with_eval=round(float(np.median(totals)), 3),
         bytes_per_step=round(comm["bytes_per_step"], 1), minimum_bytes_per_step=round(comm["minimum_bytes_per_step"], 1),
         bytes_per_epoch=round(comm["bytes_per_epoch"], 1), minimum_bytes_per_epoch=round(comm["minimum_bytes_per_epoch"], 1),
         round_trips_per_epoch=round(comm["round_trips"] / epochs, 1),
@@ -145,10 +184,13 @@ def run_training_bench(
 
 def format_bench(b: TrainingBench) -> str:
     return "\n".join([
-        f"Split training vs the unsplit model: {b.rows:,} aligned rows, batch {b.batch_size}, mean of {b.epochs} epochs",
-        "split: bank + 1 partner as separate processes, mutual TLS over loopback",
+        f"Split training vs the unsplit model: {b.rows:,} aligned rows, batch {b.batch_size}, "
+        f"{b.rounds} alternating rounds of {b.epochs} epochs (medians)",
+        "split: bank + 1 partner as separate processes, mutual TLS over loopback"
+        + (", each pinned to a CPU of its own" if b.pinned else ""),
         f"  seconds per epoch, training steps   split {b.split_epoch_seconds:7.3f}   unsplit {b.unsplit_epoch_seconds:7.3f}"
-        f" ({b.unsplit_threads} thread{'s' if b.unsplit_threads > 1 else ''})   ratio {b.ratio:5.2f}x",
+        f" ({b.unsplit_threads} thread{'s' if b.unsplit_threads > 1 else ''})   ratio {b.ratio:5.2f}x"
+        f" (rounds {b.ratio_range[0]:.2f}-{b.ratio_range[1]:.2f})",
         f"  seconds per epoch, with validation  split {b.split_epoch_seconds_with_eval:7.3f}"
         f"   unsplit {b.unsplit_epoch_seconds_with_eval:7.3f}   ratio {b.ratio_with_eval:5.2f}x",
         f"  bytes on the wire per step     {b.bytes_per_step:12,.0f}   minimum {b.minimum_bytes_per_step:12,.0f}"

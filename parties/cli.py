@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from parties.errors import CutlayerError
+from parties.errors import ConfigError, CutlayerError
 
-__all__ = ["add_service_arguments", "configure_logging", "run_cli", "service_values"]
+__all__ = ["add_service_arguments", "apply_process_settings", "configure_logging", "run_cli", "service_values"]
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -56,13 +57,41 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-intersection", type=int, default=None, help="refuse smaller intersections")
     parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
     parser.add_argument("--torch-threads", type=int, default=None, help="intra-op threads for the model (default 1)")
+    parser.add_argument("--cpus", type=_cpu_list, default=None,
+                        help="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one machine "
+                             "run best on CPUs of their own")
     parser.add_argument("--log-level", default="INFO")
 
 
 SERVICE_FIELDS = (
     "name", "data", "id_column", "schema_file", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
-    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads",
+    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus",
 )
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        cpus = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus takes CPU numbers separated by commas, not {text!r}") from None
+    if any(c < 0 for c in cpus):
+        raise argparse.ArgumentTypeError(f"--cpus takes CPU numbers from 0, not {text!r}")
+    return cpus
+
+
+def apply_process_settings(threads: int, cpus: tuple[int, ...] | None) -> None:
+    """Torch's intra-op threads and, if asked, the CPUs this process may run on."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if cpus is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("--cpus needs Linux (this system cannot pin a process to CPUs)")
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as exc:
+        raise ConfigError(f"--cpus {','.join(map(str, cpus))}: this machine cannot run on those CPUs ({exc})") from exc
 
 
 def service_values(args: argparse.Namespace) -> dict[str, object]:

@@ -44,6 +44,9 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(64 << 20, ge=1024)
     ready_file: Path | None = None
     torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
+    cpus: tuple[int, ...] | None = Field(
+        None, min_length=1, description="CPUs this service runs on (Linux); parties sharing a machine each get their own"
+    )
 
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:

@@ -6,9 +6,8 @@ import argparse
 import logging
 import sys
 
-import torch
 
-from parties.cli import add_service_arguments, configure_logging, run_cli, service_values
+from parties.cli import add_service_arguments, apply_process_settings, configure_logging, run_cli, service_values
 from parties.dataset import load_party_table
 from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor=MonitorConfig(probe_every=args.hijack_probe_every) if args.hijack_probe_every else None,
     )
     assert isinstance(settings, PartnerSettings)
-    torch.set_num_threads(settings.torch_threads)
+    apply_process_settings(settings.torch_threads, settings.cpus)
     if settings.insecure:
         logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
     table = load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)

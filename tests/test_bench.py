@@ -1,8 +1,11 @@
-"""The PSI benchmark runs and reports consistent figures (speed itself is judged by people, not tests)."""
+"""The benchmarks run and report consistent figures (speed itself is judged by people, not tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from alignment.bench import format_result, run_bench
+from bank.bench import format_bench, run_training_bench
 
 
 def test_bench_reports_the_intersection_and_wire_cost() -> None:
@@ -11,3 +14,14 @@ def test_bench_reports_the_intersection_and_wire_cost() -> None:
     assert 44 <= result.bytes_per_id < 52
     assert result.cold_seconds > 0 and result.warm_seconds > 0 and result.x25519_per_second > 0
     assert "bytes on the wire per ID" in format_result(result)
+
+
+def test_training_bench_alternates_rounds_and_accounts_the_wire(bank_full: Path) -> None:
+    result = run_training_bench(epochs=1, rows=3000, cache=bank_full.parent, download=False, rounds=2)
+    assert result.rounds == 2 and result.epochs == 1
+    assert result.split_epoch_seconds > 0 and result.unsplit_epoch_seconds > 0
+    low, high = result.ratio_range
+    assert low <= result.ratio <= high
+    # every step carries at least the embedding and its gradient, and little more than that
+    assert result.minimum_bytes_per_step <= result.bytes_per_step < 1.5 * result.minimum_bytes_per_step
+    assert "alternating rounds" in format_bench(result)

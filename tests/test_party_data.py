@@ -84,3 +84,19 @@ def test_serve_cli_requires_tls_or_insecure(write_csv) -> None:
     )
     assert result.returncode == 2
     assert "TLS is required" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("cpus", "message"),
+    [("zero", "--cpus takes CPU numbers separated by commas"), ("4096", "--cpus 4096: this machine cannot run on")],
+    ids=["not-a-number", "no-such-cpu"],
+)
+def test_serve_cli_refuses_cpus_it_cannot_use(write_csv, cpus: str, message: str) -> None:
+    path = write_csv("p.csv", customer_id=["1"], a=["1"])
+    result = subprocess.run(
+        [sys.executable, "-m", "partner", "serve", "--name", "partner", "--data", str(path), "--insecure",
+         "--cpus", cpus],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
