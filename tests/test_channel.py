@@ -1,0 +1,75 @@
+"""The hot-path channel: one kept-alive mutual-TLS connection, the peer checked, failures never hidden."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from parties.client import make_channel
+from parties.errors import PeerError, PeerUnavailable
+from parties.server import ServerThread
+from parties.tls import PeerIdentity, TLSFiles
+
+BANK = PeerIdentity("bank", "bank")
+PARTNER = PeerIdentity("partner", "partner")
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Echoes the body with the connection's client port; ``/close`` asks to close the connection."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    headers = [(b"content-type", b"application/x-echo")]
+    if scope["path"] == "/close":
+        headers.append((b"connection", b"close"))
+    answer = b"%d:" % scope["client"][1] + body
+    await send({"type": "http.response.start", "status": 201, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.fixture()
+def server(pki: Path) -> Iterator[ServerThread]:
+    thread = ServerThread(app, TLSFiles.from_dir(pki, "partner")).start()
+    yield thread
+    thread.stop()
+
+
+def test_requests_share_one_connection_and_bodies_arrive_whole(server: ServerThread, pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    big = bytes(range(256)) * 1024  # several TLS records each way
+    ports = set()
+    for _ in range(3):
+        response = channel.post("/echo", big, "application/octet-stream")
+        port, _, body = response.content.partition(b":")
+        assert response.status == 201 and response.is_success and body == big
+        assert response.content_type == "application/x-echo"
+        ports.add(port)
+    assert len(ports) == 1  # kept alive
+    channel.close_connection()
+
+
+def test_a_server_closing_the_connection_gets_a_new_one(server: ServerThread, pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    first = channel.post("/close", b"x", "text/plain").content.partition(b":")[0]
+    second = channel.post("/echo", b"y", "text/plain").content.partition(b":")[0]
+    assert first != second
+
+
+def test_the_wrong_peer_is_refused(server: ServerThread, pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PeerIdentity("partner2", "partner"),
+                           caller=BANK)
+    with pytest.raises(PeerError, match="certificate names"):
+        channel.post("/echo", b"x", "text/plain")
+
+
+def test_no_server_is_unavailable_not_a_crash(pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), "https://127.0.0.1:9", expect=PARTNER, caller=BANK)
+    with pytest.raises(PeerUnavailable):
+        channel.post("/echo", b"x", "text/plain")
