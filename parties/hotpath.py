@@ -3,9 +3,9 @@
 A training step is one small request, sent thousands of times per epoch, and
 the bank waits for every answer. FastAPI's middleware, router and request
 objects cost more per call than the step's own checks (measured: about a
-fifth of a step's round trip). A ``HotRoute`` is matched on method and path
-first and gets exactly the same treatment as any other route: the caller is
-identified from the same certificate (``parties.app.identify``), the body is
+tenth of a step's round trip). A ``HotRoute`` is matched on its path first
+and gets exactly the same treatment as any other route: the caller is
+identified from the same certificate (``parties.access.identify``), the body is
 held to the same limit, and domain errors become the same JSON answers with
 the same status codes. Everything else goes to the FastAPI app unchanged.
 """
