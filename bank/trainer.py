@@ -177,7 +177,7 @@ class Coordinator:
         self.eval_rows_sent += len(rows)
 
     def _loss(self, top: torch.nn.Module, leaves: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        return self.task.loss(top(self.aggregation.combine(leaves)), self.train_targets[rows])
+        return self.task.loss(top(self.aggregation.combine(leaves)), self.train_targets.index_select(0, rows))
 
     # --- checkpoints and rollback ----------------------------------------------------------
 

@@ -48,7 +48,7 @@ class UnsplitModel(nn.Module):
 
     def train_step(self, rows: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimiser step of every part on one batch; returns the loss."""
-        loss = self.task.loss(self(rows), targets[rows])
+        loss = self.task.loss(self(rows), targets.index_select(0, rows))
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -19,7 +19,7 @@ def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentit
     """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
     tls = scope.get("extensions", {}).get("tls") or {}
     if tls.get("peercert"):
-        identity = peer_identity(tls["peercert"])
+        identity = tls["identity"] if "identity" in tls else peer_identity(tls["peercert"])
         if identity is None:
             raise Forbidden("the client certificate names no Cutlayer party and role")
         return identity

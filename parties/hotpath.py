@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.datastructures import Headers, State
+from starlette.datastructures import State
 from starlette.routing import compile_path
 
 from parties.access import check_declared_length, ensure_role, identify
@@ -111,7 +111,8 @@ def _error(status: int, kind: str, detail: str) -> HotResponse:
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
     """The whole body, refused as soon as it passes ``limit``; ``None`` if the client disconnected."""
-    check_declared_length(Headers(scope=scope).get("content-length"), limit)
+    declared = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+    check_declared_length(declared, limit)
     parts: list[bytes] = []
     size, more = 0, True
     while more:

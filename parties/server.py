@@ -22,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from parties.files import atomic_write_text
-from parties.tls import TLSFiles
+from parties.tls import TLSFiles, peer_identity
 
 __all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
 
@@ -51,10 +51,12 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ssl_object = transport.get_extra_info("ssl_object")
         peercert = ssl_object.getpeercert() if ssl_object is not None else None
+        # Read the certificate's name and role once per connection, not once per request.
+        tls = {"peercert": peercert, "identity": peer_identity(peercert)}
         inner = self.app
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            scope.setdefault("extensions", {})["tls"] = {"peercert": peercert}
+            scope.setdefault("extensions", {})["tls"] = tls
             await inner(scope, receive, send)
 
         self.app = app
