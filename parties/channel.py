@@ -44,6 +44,7 @@ class _Response:
         self.parser = httptools.HttpResponseParser(self)
         self.headers: dict[bytes, bytes] = {}
         self.body: list[bytes] = []
+        self.size = 0
         self.keep_alive = False
         self.complete = False
 
@@ -55,6 +56,7 @@ class _Response:
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
+        self.size += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -71,6 +73,7 @@ class Channel:
         expect: PeerIdentity | None = None,
         headers: dict[str, str] | None = None,
         timeout: float = 600.0,
+        max_response_bytes: int = 64 << 20,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or parts.hostname is None:
@@ -78,6 +81,7 @@ class Channel:
         self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
         self.https = parts.scheme == "https"
         self.context, self.expect, self.timeout = context, expect, timeout
+        self.max_response_bytes = max_response_bytes
         host = self.host if ":" not in self.host else f"[{self.host}]"
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head = f"Host: {host}:{self.port}\r\n{extra}".encode("latin-1")
@@ -110,14 +114,14 @@ class Channel:
         in flight at a time. A connection that fails is closed and the error
         raised; a request is never silently resent.
         """
+        head = b"POST %s HTTP/1.1\r\n%scontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
+            path.encode("ascii"), self._head, content_type.encode("latin-1"), len(body))
         self._lock.acquire()
         try:
             if self._sock is None:
                 self._sock = self._connect()
-            head = b"POST %s HTTP/1.1\r\n%scontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
-                path.encode("ascii"), self._head, content_type.encode("latin-1"), len(body))
             self._sock.sendall(head + body)
-        except (OSError, UnicodeEncodeError) as exc:
+        except OSError as exc:
             self._fail()
             raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
         except BaseException:
@@ -134,6 +138,9 @@ class Channel:
                     if n == 0:
                         raise ConnectionResetError("the connection closed before the whole response arrived")
                     response.parser.feed_data(view[:n])
+                    if response.size > self.max_response_bytes:
+                        self.close_connection()
+                        raise PeerError(f"{self.host}:{self.port} sent a response over {self.max_response_bytes} bytes")
                 if not response.keep_alive:
                     self.close_connection()
                 content_type = response.headers.get(b"content-type", b"").decode("latin-1")

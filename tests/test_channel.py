@@ -69,6 +69,14 @@ def test_the_wrong_peer_is_refused(server: ServerThread, pki: Path) -> None:
         channel.post("/echo", b"x", "text/plain")
 
 
+def test_a_response_over_the_limit_is_refused(server: ServerThread, pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    channel.max_response_bytes = 1000
+    with pytest.raises(PeerError, match="over 1000 bytes"):
+        channel.post("/echo", b"z" * 5000, "text/plain")
+    assert channel.post("/echo", b"small", "text/plain").content.endswith(b":small")  # a new connection
+
+
 def test_no_server_is_unavailable_not_a_crash(pki: Path) -> None:
     channel = make_channel(TLSFiles.from_dir(pki, "bank"), "https://127.0.0.1:9", expect=PARTNER, caller=BANK)
     with pytest.raises(PeerUnavailable):
