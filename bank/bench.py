@@ -33,6 +33,7 @@ from bank.trainer import epoch_batches, split_rows
 from bank.unsplit import UnsplitModel
 from data.prepare import prepare_bank_marketing
 from parties.dataset import AlignedRows, load_party_table
+from parties.errors import ConfigError
 from parties.process import ServiceProcess
 from parties.session import PartySession
 from parties.tls import TLSFiles, write_dev_pki
@@ -67,20 +68,21 @@ class TrainingBench:
 class _SplitServices:
     """A partner and a bank service on this machine, aligned once, trained as often as asked."""
 
-    def __init__(self, out: Path, paths: dict[str, Path], pin: bool) -> None:
+    def __init__(self, out: Path, paths: dict[str, Path], cpus: tuple[int, int] | None) -> None:
         write_dev_pki(out / "certs", {"bank": "bank", "partner": "partner"})
         common = ["--tls-dir", str(out / "certs"), "--torch-threads", "1"]
-        cpus = {"partner": ["--cpus", "1"], "bank": ["--cpus", "0"]} if pin else {"partner": [], "bank": []}
+        cpus_of = {"bank": ["--cpus", str(cpus[0])], "partner": ["--cpus", str(cpus[1])]} if cpus else {
+            "bank": [], "partner": []}
         self.services = [ServiceProcess(
             "partner", ["--name", "partner", "--data", str(paths["partner"]), "--state-dir", str(out / "partner"),
-                        "--seed", str(PARTNER_SEED), *common, *cpus["partner"]],
+                        "--seed", str(PARTNER_SEED), *common, *cpus_of["partner"]],
             out / "partner.ready", out / "partner.log",
         )]
         try:
             url = self.services[0].wait_ready()
             self.services.append(ServiceProcess(
                 "bank", ["--name", "bank", "--data", str(paths["bank"]), "--state-dir", str(out / "bank"),
-                         f"--partner=partner={url}", *common, *cpus["bank"]],
+                         f"--partner=partner={url}", *common, *cpus_of["bank"]],
                 out / "bank.ready", out / "bank.log",
             ))
             self.operator = BankOperator(self.services[1].wait_ready(), TLSFiles.from_dir(out / "certs", "bank"))
@@ -140,13 +142,16 @@ def run_training_bench(
     epochs: int = 3, rows: int | None = None, cache: Path | None = None, download: bool = True, rounds: int = 3,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> TrainingBench:
+    if epochs < 1 or rounds < 1:
+        raise ConfigError(f"the bench needs at least one round of one epoch (got {rounds} of {epochs})")
     config = TrainingConfig(epochs=epochs, patience=epochs + 1)
-    pin = len(os.sched_getaffinity(0)) >= 2 if hasattr(os, "sched_getaffinity") else False
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = (usable[0], usable[1]) if len(usable) >= 2 else None  # the bank's CPU, the partner's
     split_steps, split_totals, unsplit_steps, unsplit_totals, threads_used = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="cutlayer-train-bench-") as tmp:
         out = Path(tmp)
         paths = prepare_bank_marketing(out / "data", rows=rows, cache=cache, download=download)
-        services = _SplitServices(out, paths, pin)
+        services = _SplitServices(out, paths, cpus)
         try:
             for r in range(rounds):
                 result = services.train(config)
@@ -168,7 +173,7 @@ def run_training_bench(
     totals = [s / u for s, u in zip(split_totals, unsplit_totals)]
     comm = first["communication"]["partner"]
     return TrainingBench(
-        rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=pin, batch_size=config.batch_size,
+        rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=cpus is not None, batch_size=config.batch_size,
         split_epoch_seconds=round(float(np.median(split_steps)), 4),
         unsplit_epoch_seconds=round(float(np.median(unsplit_steps)), 4),
         unsplit_threads=max(set(threads_used), key=threads_used.count),
