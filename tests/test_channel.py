@@ -10,6 +10,7 @@ import pytest
 
 from parties.client import make_channel
 from parties.errors import PeerError, PeerUnavailable
+from parties.protocol import CALLER_HEADER
 from parties.server import ServerThread
 from parties.tls import PeerIdentity, TLSFiles
 
@@ -29,7 +30,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     headers = [(b"content-type", b"application/x-echo")]
     if scope["path"] == "/close":
         headers.append((b"connection", b"close"))
-    answer = b"%d:" % scope["client"][1] + body
+    caller = dict(scope["headers"]).get(CALLER_HEADER.encode(), b"")
+    answer = b"%d:" % scope["client"][1] + (caller + b":" if caller else b"") + body
     await send({"type": "http.response.start", "status": 201, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
 
@@ -75,6 +77,16 @@ def test_a_response_over_the_limit_is_refused(server: ServerThread, pki: Path) -
     with pytest.raises(PeerError, match="over 1000 bytes"):
         channel.post("/echo", b"z" * 5000, "text/plain")
     assert channel.post("/echo", b"small", "text/plain").content.endswith(b":small")  # a new connection
+
+
+def test_insecure_mode_uses_plain_http_and_names_the_caller() -> None:
+    thread = ServerThread(app, None).start()
+    try:
+        channel = make_channel(None, thread.url, expect=PARTNER, caller=BANK)
+        assert channel.post("/echo", b"x", "text/plain").content.endswith(b":bank:bank:x")
+        channel.close_connection()
+    finally:
+        thread.stop()
 
 
 def test_no_server_is_unavailable_not_a_crash(pki: Path) -> None:
