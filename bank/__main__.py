@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--epochs", type=int, default=4, help="epochs per round (default 4)")
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default 3)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
+    b.add_argument("--batch-size", type=int, default=None, help="training batch size (default: training's default)")
     b.add_argument("--cache-dir", type=Path, default=None)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
     b.add_argument("--log-level", default="WARNING")
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         from bank.bench import bench_json, format_bench, run_training_bench
 
         figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
-                                     progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                     progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                     batch_size=args.batch_size)
         print(format_bench(figures))
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from pydantic import ValidationError
 
 from bank.config import TrainingConfig
 from bank.operator import BankOperator
@@ -140,11 +141,17 @@ def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) 
 
 def run_training_bench(
     epochs: int = 3, rows: int | None = None, cache: Path | None = None, download: bool = True, rounds: int = 3,
-    progress: Callable[[str], None] = lambda _msg: None,
+    progress: Callable[[str], None] = lambda _msg: None, batch_size: int | None = None,
 ) -> TrainingBench:
+    """``batch_size``: the training default unless given (per-step costs are fixed, so the ratio falls as it grows)."""
     if epochs < 1 or rounds < 1:
         raise ConfigError(f"the bench needs at least one round of one epoch (got {rounds} of {epochs})")
-    config = TrainingConfig(epochs=epochs, patience=epochs + 1)
+    try:
+        config = TrainingConfig(epochs=epochs, patience=epochs + 1,
+                                **({"batch_size": batch_size} if batch_size is not None else {}))
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise ConfigError(f"bench settings: {problem['loc'][0]}: {problem['msg']}") from exc
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = (usable[0], usable[1]) if len(usable) >= 2 else None  # the bank's CPU, the partner's
     split_steps, split_totals, unsplit_steps, unsplit_totals, threads_used = [], [], [], [], []
