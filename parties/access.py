@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -12,7 +12,7 @@ from parties.protocol import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.tls import ROLES, PeerIdentity, peer_identity
 
-__all__ = ["check_declared_length", "ensure_role", "identify"]
+__all__ = ["check_declared_length", "ensure_role", "identify", "read_limited"]
 
 
 def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentity:
@@ -47,3 +47,15 @@ def check_declared_length(declared: str | None, limit: int) -> None:
         raise BadMessage("content-length is not a number") from exc
     if length > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit}")
+
+
+async def read_limited(chunks: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
+    """A body from its chunks, refused with 413 as soon as it (or its declared length) passes ``limit``."""
+    check_declared_length(declared, limit)
+    parts, size = [], 0
+    async for part in chunks:
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from parties.access import check_declared_length, ensure_role, identify
-from parties.errors import CutlayerError, Forbidden, PayloadTooLarge
+from parties.access import ensure_role, identify, read_limited
+from parties.errors import CutlayerError, Forbidden
 from parties.hotpath import HotPath, HotRoute
 from parties.protocol import Identity
 from parties.settings import ServiceSettings
@@ -55,14 +55,7 @@ async def require_self(request: Request, identity: PeerIdentity = Depends(caller
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
-    check_declared_length(request.headers.get("content-length"), limit)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
+    return await read_limited(request.stream(), request.headers.get("content-length"), limit)
 
 
 class PartyApp(FastAPI):

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import State
+from starlette.requests import ClientDisconnect
 from starlette.routing import compile_path
 
-from parties.access import check_declared_length, ensure_role, identify
-from parties.errors import CutlayerError, PayloadTooLarge
+from parties.access import ensure_role, identify, read_limited
+from parties.errors import CutlayerError
 from parties.settings import ServiceSettings
 from parties.tls import PeerIdentity
 
@@ -86,10 +87,11 @@ class HotPath:
             return
         try:
             caller = ensure_role(identify(self.settings, scope), route.role)
-            body = await _read_body(scope, receive, self.settings.max_body_bytes)
-            if body is None:
-                return  # the client went away; nobody to answer
+            declared = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+            body = await read_limited(_chunks(receive), declared, self.settings.max_body_bytes)
             response = await route.handler(HotRequest(caller, params, body, self.state))
+        except ClientDisconnect:
+            return  # the client went away; nobody to answer
         except CutlayerError as exc:
             logger.info("%s %s refused: %s", scope["method"], scope["path"], type(exc).__name__)
             response = _error(exc.status_code, type(exc).__name__, str(exc))
@@ -109,21 +111,11 @@ def _error(status: int, kind: str, detail: str) -> HotResponse:
     return HotResponse(json.dumps({"error": kind, "detail": detail}).encode(), "application/json", status)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """The whole body, refused as soon as it passes ``limit``; ``None`` if the client disconnected."""
-    declared = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
-    check_declared_length(declared, limit)
-    parts: list[bytes] = []
-    size, more = 0, True
+async def _chunks(receive: Receive) -> AsyncIterator[bytes]:
+    more = True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return None
-        part = message.get("body", b"")
-        size += len(part)
-        if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
-        parts.append(part)
+            raise ClientDisconnect()
+        yield message.get("body", b"")
         more = message.get("more_body", False)
-    return b"".join(parts)
-
