@@ -28,6 +28,7 @@ from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
 from parties.hijack import HijackMonitor, MonitorConfig
 from parties.model import BottomConfig, build_bottom, build_optimizer
 from parties.privacy import EmbeddingDP, PrivacyConfig
+from parties.wire import all_finite
 
 __all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
 
@@ -93,7 +94,7 @@ class BottomTrainer:
             raise BadMessage(f"gradient shape {tuple(grad.shape)}; expected {expected}")
         if grad.dtype != torch.float32:
             raise BadMessage(f"gradient dtype {grad.dtype}; expected torch.float32")
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             raise BadMessage("the gradient holds NaN or infinite values")
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

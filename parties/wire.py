@@ -12,6 +12,7 @@ carry the session and the step.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from safetensors.torch import save as _save
 from parties.errors import BadMessage
 from parties.protocol import SCHEMA_VERSION
 
-__all__ = ["SAFETENSORS", "WireMessage", "decode", "encode"]
+__all__ = ["SAFETENSORS", "WireMessage", "all_finite", "decode", "encode"]
 
 SAFETENSORS = "application/vnd.cutlayer.safetensors"
 _MAX_HEADER = 1 << 16
@@ -45,6 +46,17 @@ class WireMessage:
             raise BadMessage(f"the message has no {key!r}") from exc
         except ValueError as exc:
             raise BadMessage(f"{key!r} is not an integer") from exc
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite: no NaN, no infinity.
+
+    A sum is finite only if every element is (a NaN or an infinity makes it
+    NaN or infinite), so a finite sum answers with one fast reduction. Only a
+    sum that is not finite (a bad element, or finite values that overflow)
+    pays for ``torch.isfinite``, about 15 times slower on a step's gradient.
+    """
+    return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
 
 
 _DTYPE_NAMES = {
@@ -107,6 +119,6 @@ def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool =
             raise BadMessage(f"unexpected tensor {name!r}")
         if tensor.dtype != allowed[name]:
             raise BadMessage(f"tensor {name!r} is {tensor.dtype}; expected {allowed[name]}")
-        if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if check_finite and tensor.is_floating_point() and not all_finite(tensor):
             raise BadMessage(f"tensor {name!r} holds NaN or infinite values")
     return WireMessage(tensors, meta)

@@ -11,7 +11,7 @@ from safetensors.torch import load
 
 from parties.errors import BadMessage
 from parties.protocol import SCHEMA_VERSION
-from parties.wire import decode, encode
+from parties.wire import all_finite, decode, encode
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -55,3 +55,27 @@ def test_round_trip_and_refusals() -> None:
         decode(body[:-3], {"grad": torch.float32})
     with pytest.raises(BadMessage):
         decode(b"\x00" * 4, {"grad": torch.float32})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    cases = {
+        "ordinary": torch.randn(1024, 16).to(dtype),
+        "empty": torch.zeros(0, 16, dtype=dtype),
+        "overflowing sum": torch.full((8,), big, dtype=dtype),  # every value finite, the sum is not
+        "nan": torch.tensor([1.0, float("nan"), 2.0], dtype=dtype),
+        "+inf": torch.tensor([1.0, float("inf")], dtype=dtype),
+        "-inf": torch.tensor([float("-inf"), 1.0], dtype=dtype),
+        "both infinities": torch.tensor([float("inf"), float("-inf")], dtype=dtype),
+        "nan among big values": torch.tensor([big, big, float("nan")], dtype=dtype),
+    }
+    for name, tensor in cases.items():
+        assert all_finite(tensor) == bool(torch.isfinite(tensor).all()), name
+    assert all_finite(cases["overflowing sum"]) and not all_finite(cases["nan"])
+
+
+def test_decode_refuses_infinities_whose_sum_is_nan() -> None:
+    body = encode({"grad": torch.tensor([float("inf"), float("-inf")])})
+    with pytest.raises(BadMessage, match="infinite"):
+        decode(body, {"grad": torch.float32})
