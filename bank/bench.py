@@ -10,6 +10,9 @@ the faster is the baseline.
 Machines drift (other tenants, turbo, caches), so the two sides alternate:
 each round trains a split session and then the unsplit model, and the ratio
 reported is the median of the rounds' ratios, each from the median epoch.
+
+Per step, the bench also times the wire alone (``bank.floor``): a bare
+mutual-TLS round trip of one step's tensor bytes between the same two CPUs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from pydantic import ValidationError
 
 from bank.config import TrainingConfig
+from bank.floor import measure_wire_floor
 from bank.operator import BankOperator
 from bank.task import Task
 from bank.trainer import epoch_batches, split_rows
@@ -64,6 +68,9 @@ class TrainingBench:
     bytes_per_epoch: float
     minimum_bytes_per_epoch: float
     round_trips_per_epoch: float
+    split_step_seconds: float  # per round trip of a training epoch (its steps and the final flush)
+    unsplit_step_seconds: float
+    wire_floor_seconds: float  # a bare mutual-TLS round trip of one step's tensor bytes
 
 
 class _SplitServices:
@@ -155,6 +162,7 @@ def run_training_bench(
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = (usable[0], usable[1]) if len(usable) >= 2 else None  # the bank's CPU, the partner's
     split_steps, split_totals, unsplit_steps, unsplit_totals, threads_used = [], [], [], [], []
+    width = config.bank_bottom.cut_width  # the partner runs the default bottom too
     with tempfile.TemporaryDirectory(prefix="cutlayer-train-bench-") as tmp:
         out = Path(tmp)
         paths = prepare_bank_marketing(out / "data", rows=rows, cache=cache, download=download)
@@ -165,6 +173,7 @@ def run_training_bench(
                 if r == 0:
                     first = result
                 history = pd.read_csv(Path(result["run_dir"]) / "history.csv")
+                round_trips = int(history["steps"].iloc[0])  # an epoch's steps and its flush
                 split_steps.append(float(history["train_seconds"].median()))
                 split_totals.append(float(history["seconds"].median()))
                 unsplit = {t: _unsplit_side(paths, config, t) for t in sorted({1, torch.get_num_threads()})}
@@ -176,6 +185,9 @@ def run_training_bench(
                          f"per epoch ({split_steps[-1] / unsplit_steps[-1]:.2f}x)")
         finally:
             services.close()
+        progress("timing the wire alone")
+        floor = measure_wire_floor(out / "certs", request=config.batch_size * (4 * width + 8),
+                                   answer=config.batch_size * 4 * width, cpus=cpus, out=out)
     ratios = [s / u for s, u in zip(split_steps, unsplit_steps)]
     totals = [s / u for s, u in zip(split_totals, unsplit_totals)]
     comm = first["communication"]["partner"]
@@ -191,6 +203,9 @@ def run_training_bench(
         bytes_per_step=round(comm["bytes_per_step"], 1), minimum_bytes_per_step=round(comm["minimum_bytes_per_step"], 1),
         bytes_per_epoch=round(comm["bytes_per_epoch"], 1), minimum_bytes_per_epoch=round(comm["minimum_bytes_per_epoch"], 1),
         round_trips_per_epoch=round(comm["round_trips"] / epochs, 1),
+        split_step_seconds=round(float(np.median(split_steps)) / round_trips, 6),
+        unsplit_step_seconds=round(float(np.median(unsplit_steps)) / (round_trips - 1), 6),
+        wire_floor_seconds=round(floor, 6),
     )
 
 
@@ -210,6 +225,9 @@ def format_bench(b: TrainingBench) -> str:
         f"  bytes on the wire per epoch    {b.bytes_per_epoch:12,.0f}   minimum {b.minimum_bytes_per_epoch:12,.0f}",
         f"  round trips per epoch          {b.round_trips_per_epoch:12,.0f}",
         "  (minimum: float32 embeddings and gradients of the training rows, embeddings of the evaluation rows)",
+        f"  milliseconds per training step      split {1e3 * b.split_step_seconds:7.2f}"
+        f"   unsplit {1e3 * b.unsplit_step_seconds:7.2f}   the wire alone {1e3 * b.wire_floor_seconds:5.2f}",
+        "  (the wire alone: a bare mutual-TLS round trip of one step's tensor bytes between the same two CPUs)",
     ])
 
 

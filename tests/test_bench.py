@@ -6,6 +6,8 @@ from pathlib import Path
 
 from alignment.bench import format_result, run_bench
 from bank.bench import format_bench, run_training_bench
+from bank.floor import measure_wire_floor
+from parties.tls import write_dev_pki
 
 
 def test_bench_reports_the_intersection_and_wire_cost() -> None:
@@ -25,3 +27,14 @@ def test_training_bench_alternates_rounds_and_accounts_the_wire(bank_full: Path)
     # every step carries at least the embedding and its gradient, and little more than that
     assert result.minimum_bytes_per_step <= result.bytes_per_step < 1.5 * result.minimum_bytes_per_step
     assert "alternating rounds" in format_bench(result)
+    # per step: the wire alone (a bare TLS round trip of the step's bytes) is part of what a split step costs
+    assert 0 < result.wire_floor_seconds < result.split_step_seconds
+    assert result.unsplit_step_seconds > 0 and "the wire alone" in format_bench(result)
+
+
+def test_wire_floor_times_a_real_tls_round_trip(tmp_path: Path) -> None:
+    write_dev_pki(tmp_path / "certs", {"bank": "bank", "partner": "partner"})
+    small = measure_wire_floor(tmp_path / "certs", request=64, answer=64, cpus=None, out=tmp_path, trips=200)
+    large = measure_wire_floor(tmp_path / "certs", request=4 << 20, answer=4 << 20, cpus=None, out=tmp_path, trips=20)
+    assert 0 < small < large  # 8 MiB through TLS costs more than 128 bytes: the bytes really cross
+    assert "floor.log" in {p.name for p in tmp_path.iterdir()}
