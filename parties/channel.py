@@ -61,6 +61,10 @@ class _Response:
     def on_message_complete(self) -> None:
         self.complete = True
 
+    def release(self) -> None:
+        """Drop the parser. It refers back to this object, and the cycle would hold the body until a GC pass."""
+        del self.parser
+
 
 class Channel:
     """One kept-alive connection to ``url``; reconnects (and re-checks the peer) when it drops."""
@@ -129,9 +133,9 @@ class Channel:
             raise
 
         def receive() -> ChannelResponse:
+            response = _Response()
             try:
                 assert self._sock is not None
-                response = _Response()
                 view = memoryview(self._buffer)
                 while not response.complete:
                     n = self._sock.recv_into(self._buffer)
@@ -149,6 +153,7 @@ class Channel:
                 self.close_connection()
                 raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
             finally:
+                response.release()
                 self._lock.release()
 
         return receive

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,21 @@ def test_no_server_is_unavailable_not_a_crash(pki: Path) -> None:
     channel = make_channel(TLSFiles.from_dir(pki, "bank"), "https://127.0.0.1:9", expect=PARTNER, caller=BANK)
     with pytest.raises(PeerUnavailable):
         channel.post("/echo", b"x", "text/plain")
+
+
+def test_a_response_leaves_no_reference_cycle(server: ServerThread, pki: Path) -> None:
+    """Each answer is freed when the caller drops it, not at the next GC pass (it holds a step's body)."""
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    channel.post("/echo", b"warm up", "application/octet-stream")
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # keep what the collector finds, to look at it
+    try:
+        for _ in range(5):
+            channel.post("/echo", bytes(70_000), "application/octet-stream")
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        channel.close_connection()
+    assert "_Response" not in cyclic and "HttpResponseParser" not in cyclic
