@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from parties.errors import DataError
 from parties.files import atomic_write_bytes
+from parties.wire import serialize
 
 __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
            "unflatten_optimizer", "write_checkpoint"]
@@ -77,7 +77,7 @@ def _write(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json:
     if Path(folder).is_dir():  # temporary files a crash left behind (one writer per folder)
         for stale in Path(folder).glob(".step-*.safetensors.*"):
             stale.unlink(missing_ok=True)
-    blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata={"cutlayer": meta_json})
+    blob = serialize(tensors, {"cutlayer": meta_json})
     atomic_write_bytes(path, blob)
     for old in checkpoint_steps(folder)[:-keep]:
         (Path(folder) / f"step-{old}.safetensors").unlink(missing_ok=True)

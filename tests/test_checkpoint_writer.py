@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
+from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint, write_checkpoint
 
 
 def test_flush_makes_every_submitted_checkpoint_readable_and_keeps_the_last_ones(tmp_path: Path) -> None:
@@ -35,3 +38,20 @@ def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
     writer.submit(tmp_path / "ok", 1, {"w": torch.zeros(2)}, {})
     writer.close()
     assert checkpoint_steps(tmp_path / "ok") == [1]
+
+
+def test_a_checkpoint_is_safetensors_and_leaves_no_garbage_cycles(tmp_path: Path) -> None:
+    tensors = {"w": torch.randn(4, 3), "step": torch.tensor(7.0), "rows": torch.arange(5), "none": torch.zeros(0, 2)}
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        write_checkpoint(tmp_path, 3, tensors, {"step": 3})
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cyclic == []  # the snapshot is freed at once, not at the next collector pass
+    with safe_open(tmp_path / "step-3.safetensors", "pt") as f:  # safetensors' own reader
+        assert json.loads(f.metadata()["cutlayer"]) == {"step": 3}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
