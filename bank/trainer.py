@@ -29,6 +29,7 @@ from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.task import Task
+from parties import fastops
 from parties.checkpoint import (
     CheckpointWriter,
     checkpoint_steps,
@@ -177,7 +178,8 @@ class Coordinator:
         self.eval_rows_sent += len(rows)
 
     def _loss(self, top: torch.nn.Module, leaves: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        return self.task.loss(top(self.aggregation.combine(leaves)), self.train_targets.index_select(0, rows))
+        outputs = fastops.forward(top, self.aggregation.combine(leaves))
+        return self.task.loss(outputs, self.train_targets.index_select(0, rows))
 
     # --- checkpoints and rollback ----------------------------------------------------------
 
@@ -319,6 +321,7 @@ class Coordinator:
         steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
         total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
+        top_params = list(top.parameters())
 
         def finish_step() -> None:
             # The partners' gradients left first (see below). The rest of step t's backward (the top's
@@ -326,10 +329,10 @@ class Coordinator:
             # work on step t+1: still before the top's next forward, so the computation is unchanged.
             if deferred:
                 loss, own = deferred.pop()
-                loss.backward(inputs=[*top.parameters(), own])
+                fastops.backward(loss, inputs=[*top_params, own])
                 loop.grads[0] = own.grad
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                fastops.optimizer_step(optimizer)
+                fastops.clear_grads(top_params)
 
         while loop.epoch < self.config.epochs and not loop.done:
             epoch_start = time.perf_counter()
@@ -344,7 +347,7 @@ class Coordinator:
                 loss = self._loss(top, leaves, rows)
                 # Only the partners' gradients are on the critical path: compute them alone, send them
                 # with the next step, and finish the backward while the partners work.
-                theirs = torch.autograd.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
+                theirs = fastops.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
                 deferred.append((loss, leaves[0]))
                 loop.grads = [None] + [
                     perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parties import fastops
 from parties.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
 from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
 from parties.hijack import HijackMonitor, MonitorConfig
@@ -50,7 +51,8 @@ class BottomTrainer:
         self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
         self.config = config
         self.model = build_bottom(self.x.shape[1], config)
-        self.optimizer = build_optimizer(self.model.parameters(), config)
+        self._params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0
         self._pending: torch.Tensor | None = None
         self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
@@ -117,14 +119,15 @@ class BottomTrainer:
                 if self.monitor.alarm is not None:
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-                self._pending.backward(grad)
-                self.optimizer.step()
+                fastops.clear_grads(self._params)
+                fastops.backward(self._pending, grad)
+                fastops.optimizer_step(self.optimizer)
                 self._pending = None
             out = None
             if rows is not None:
-                self.model.train()
-                z = self.model(self.x.index_select(0, rows))
+                if not self.model.training:
+                    self.model.train()
+                z = fastops.forward(self.model, self.x.index_select(0, rows))
                 if self.dp is not None:
                     z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
