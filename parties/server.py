@@ -2,7 +2,9 @@
 
 uvicorn does not put the client certificate into the request scope, so the
 HTTP protocol class is extended to add it as ``scope["extensions"]["tls"]``;
-``parties.app`` reads the caller's name and role from there.
+``parties.app`` reads the caller's name and role from there. The same class
+answers the app's hot routes (``parties.hotpath``) straight from the HTTP
+parser's callbacks, head and body in one write, without an ASGI task.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import logging
 import socket
 import ssl
 import threading
+import urllib.parse
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from parties.files import atomic_write_text
+from parties.hotpath import HotExchange, HotPath
 from parties.tls import TLSFiles, peer_identity
 
 __all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
@@ -39,8 +44,24 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
+class _NoEvent:
+    def set(self) -> None:
+        pass
+
+
+class _HotCycle:
+    """What uvicorn's protocol reads of a request in progress, for a hot exchange."""
+
+    message_event = _NoEvent()  # uvicorn sets it when the connection is lost
+
+    def __init__(self, exchange: HotExchange, keep_alive: bool) -> None:
+        self.exchange, self.keep_alive = exchange, keep_alive
+        self.response_complete = self.disconnected = False
+
+
 class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
-    """uvicorn's HTTP protocol, plus the verified client certificate in every request's scope."""
+    """uvicorn's HTTP protocol, plus the verified client certificate in every request's scope,
+    and the app's hot routes answered without ASGI."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -54,12 +75,75 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         # Read the certificate's name and role once per connection, not once per request.
         tls = {"peercert": peercert, "identity": peer_identity(peercert)}
         inner = self.app
+        hot = getattr(inner, "hot", None)
+        self._hot: HotPath | None = hot if isinstance(hot, HotPath) else None
+        self._tls = tls
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             scope.setdefault("extensions", {})["tls"] = tls
             await inner(scope, receive, send)
 
         self.app = app
+
+    # --- hot routes, from the parser's callbacks ------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        if not self._begin_hot():
+            super().on_headers_complete()
+
+    def _begin_hot(self) -> bool:
+        """Start a hot exchange for this request, unless it is not one or must queue behind another."""
+        idle = self.cycle is None or self.cycle.response_complete
+        if self._hot is None or not idle or self.pipeline or self.limit_concurrency is not None:
+            return False
+        if self.parser.should_upgrade():
+            return False
+        path = httptools.parse_url(self.url).path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        self.scope["method"] = self.parser.get_method().decode("ascii")
+        self.scope["path"] = self.root_path + path
+        self.scope["extensions"] = {"tls": self._tls}
+        exchange = self._hot.begin(self.scope)
+        if exchange is None:
+            return False
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self.cycle = _HotCycle(exchange, keep_alive)  # type: ignore[assignment]
+        if exchange.answer is not None:
+            self._answer_hot()  # refused on its head: answer now; the body is read and dropped
+        elif self.expect_100_continue:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return True
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, _HotCycle):
+            if not cycle.response_complete:
+                cycle.exchange.feed(body)
+                if cycle.exchange.answer is not None:
+                    self._answer_hot()
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, _HotCycle):
+            if not cycle.response_complete:
+                self._answer_hot()
+            return
+        super().on_message_complete()
+
+    def _answer_hot(self) -> None:
+        cycle = self.cycle
+        assert isinstance(cycle, _HotCycle)
+        response = cycle.exchange.finish()
+        cycle.response_complete = True
+        if self.transport.is_closing():
+            return
+        self.transport.write(response.http(self.server_state.default_headers, close=not cycle.keep_alive))
+        if not cycle.keep_alive:
+            self.transport.close()
+        self.on_response_complete()
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -140,9 +140,8 @@ async def start_training(request: Request, c: PartnerCore = Depends(core)) -> Tr
     return await run_in_threadpool(c.start_training, session, alignment, rows)
 
 
-async def step(request: HotRequest) -> HotResponse:
-    """One training step: a hot route (``parties.hotpath``), and the small forward/backward runs
-    inline on the event loop, not in a thread (a thread hop costs more than the step)."""
+def step(request: HotRequest) -> HotResponse:
+    """One training step: a hot route (``parties.hotpath``), run on the event loop."""
     c: PartnerCore = request.state.core
     session_id = request.params["session_id"]
     trainer = c.training(session_id).trainer

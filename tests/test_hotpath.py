@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -9,11 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
+from starlette.datastructures import State
 
 from parties.app import create_party_app
 from parties.client import make_client
 from parties.errors import OutOfOrder
-from parties.hotpath import HotRequest, HotResponse, HotRoute
+from parties.hotpath import HotPath, HotRequest, HotResponse, HotRoute
 from parties.server import ServerThread
 from parties.settings import PartnerSettings
 from parties.tls import PeerIdentity, TLSFiles
@@ -21,7 +23,7 @@ from parties.tls import PeerIdentity, TLSFiles
 LIMIT = 1 << 16
 
 
-async def echo(request: HotRequest) -> HotResponse:
+def echo(request: HotRequest) -> HotResponse:
     if request.body == b"refuse":
         raise OutOfOrder("refused on purpose")
     if request.body == b"crash":
@@ -116,3 +118,47 @@ def test_insecure_mode_needs_the_caller_header(pki: Path, tmp_path: Path) -> Non
             assert client.post("/things/a/echo", content=b"x").content == b"bank:bank:a:state:x"
     finally:
         thread.stop()
+
+
+def test_hot_route_is_answered_by_the_protocol_without_asgi(
+    server: ServerThread, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_asgi(*_args: object) -> None:
+        raise AssertionError("a hot request went through ASGI")
+
+    monkeypatch.setattr(HotPath, "handle", no_asgi)
+    with _client(pki, "bank", server.url) as client:
+        for i in range(3):  # one kept-alive connection, several exchanges
+            response = client.post("/things/abc/echo", content=b"p%d" % i)
+            assert response.content == b"bank:bank:abc:state:p%d" % i
+        assert client.post("/things/abc/echo", content=b"refuse").status_code == 409
+        assert client.post("/things/abc/echo", content=b"after").status_code == 200
+        closing = client.post("/things/abc/echo", content=b"bye", headers={"connection": "close"})
+        assert closing.status_code == 200 and closing.headers["connection"] == "close"
+
+
+def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None:
+    """``HotPath.handle``: the same exchange for any ASGI server, body in chunks."""
+    settings = _settings(pki, tmp_path)
+    hot = HotPath([HotRoute("POST", "/things/{thing}/echo", "bank", echo)], settings, State({"seen": "state"}))
+    bank = {"peercert": {"subject": ()}, "identity": PeerIdentity(name="bank", role="bank")}
+
+    def run(chunks: list[bytes], method: str = "POST") -> tuple[int, bytes]:
+        scope = {"type": "http", "method": method, "path": "/things/t/echo", "headers": [], "extensions": {"tls": bank}}
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return messages.pop(0)
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        route, params = hot.match(scope)  # type: ignore[misc]
+        asyncio.run(hot.handle(route, params, scope, receive, send))
+        return sent[0]["status"], sent[1]["body"]
+
+    assert run([b"pa", b"yload"]) == (200, b"bank:bank:t:state:payload")
+    assert run([b"x" * (LIMIT // 2)] * 3)[0] == 413
+    assert run([b"refuse"])[0] == 409
+    assert run([b"x"], method="PUT")[0] == 405
