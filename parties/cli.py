@@ -60,12 +60,15 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one machine "
                              "run best on CPUs of their own")
+    parser.add_argument("--step-poll-ms", type=float, default=None,
+                        help="while a training step is due, poll for it this long before sleeping "
+                             "(default 2; 0: always sleep)")
     parser.add_argument("--log-level", default="INFO")
 
 
 SERVICE_FIELDS = (
     "name", "data", "id_column", "schema_file", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
-    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus",
+    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus", "step_poll_ms",
 )
 
 

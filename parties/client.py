@@ -73,9 +73,10 @@ def expect_server(response: httpx.Response, name: str, role: str) -> None:
 
 
 def make_channel(
-    tls: TLSFiles | None, url: str, *, expect: PeerIdentity, caller: PeerIdentity, timeout: float = 600.0
+    tls: TLSFiles | None, url: str, *, expect: PeerIdentity, caller: PeerIdentity, timeout: float = 600.0,
+    poll: float = 0.0,
 ) -> Channel:
     """A hot-path channel to ``url`` that presents our certificate and insists on ``expect``'s."""
     headers = {CALLER_HEADER: f"{caller.role}:{caller.name}"} if tls is None else {}
     context = client_ssl_context(tls) if tls is not None else None
-    return Channel(url, context, expect=expect, headers=headers, timeout=timeout)
+    return Channel(url, context, expect=expect, headers=headers, timeout=timeout, poll=poll)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,3 +114,22 @@ def test_a_response_leaves_no_reference_cycle(server: ServerThread, pki: Path) -
         gc.garbage.clear()
         channel.close_connection()
     assert "_Response" not in cyclic and "HttpResponseParser" not in cyclic
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["answer-within-the-poll", "answer-after-the-poll"])
+def test_polling_for_an_answer_gets_it_early_or_late(pki: Path, delay: float) -> None:
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(delay)
+            await app(scope, receive, send)
+
+    thread = ServerThread(slow, TLSFiles.from_dir(pki, "partner")).start()
+    try:
+        channel = make_channel(TLSFiles.from_dir(pki, "bank"), thread.url, expect=PARTNER, caller=BANK, poll=0.01)
+        started = time.perf_counter()
+        for i in range(3):
+            assert channel.post("/echo", b"x%d" % i, "text/plain").content.endswith(b":x%d" % i)
+        assert time.perf_counter() - started >= 3 * delay
+        channel.close_connection()
+    finally:
+        thread.stop()

@@ -162,3 +162,27 @@ def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None
     assert run([b"x" * (LIMIT // 2)] * 3)[0] == 413
     assert run([b"refuse"])[0] == 409
     assert run([b"x"], method="PUT")[0] == 405
+
+
+def test_busy_polling_keeps_serving_and_ends_at_its_deadline() -> None:
+    from parties.server import _BusyPoll
+
+    async def scenario() -> tuple[float, float, bool]:
+        loop = asyncio.get_running_loop()
+        poll = _BusyPoll()
+        poll.extend(0.02)
+        first = poll.task
+        fired = loop.create_future()
+        started = loop.time()
+        loop.call_later(0.005, lambda: fired.set_result(loop.time() - started))
+        late = await fired  # other work is served while the loop polls
+        poll.extend(0.02)  # a new step: the same task polls on
+        same = poll.task is first
+        assert first is not None
+        await first
+        return late, loop.time() - started, same
+
+    late, polled, same = asyncio.run(scenario())
+    assert 0.005 <= late < 0.015
+    assert polled >= 0.025  # 5 ms in, extended by 20 ms
+    assert same
