@@ -322,17 +322,23 @@ class Coordinator:
         total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
         top_params = list(top.parameters())
+        unsaved = False  # a checkpoint is due for the last step
 
         def finish_step() -> None:
             # The partners' gradients left first (see below). The rest of step t's backward (the top's
             # parameters, the bank's own embedding) and the top's optimiser step run while the partners
             # work on step t+1: still before the top's next forward, so the computation is unchanged.
+            # So does a checkpoint of step t: ``loop`` still describes step t until t+1's answers arrive.
+            nonlocal unsaved
             if deferred:
                 loss, own = deferred.pop()
                 fastops.backward(loss, inputs=[*top_params, own])
                 loop.grads[0] = own.grad
                 fastops.optimizer_step(optimizer)
                 fastops.clear_grads(top_params)
+            if unsaved:
+                self._save(loop, optimizer)
+                unsaved = False
 
         while loop.epoch < self.config.epochs and not loop.done:
             epoch_start = time.perf_counter()
@@ -360,9 +366,7 @@ class Coordinator:
                 loop.losses.append(loss.item())
                 loop.step += 1
                 loop.batch += 1
-                if checkpoint:
-                    finish_step()
-                    self._save(loop, optimizer)
+                unsaved = checkpoint
                 if loop.step % 20 == 0 or loop.step >= total_steps:
                     self.progress(
                         f"epoch {loop.epoch + 1}/{self.config.epochs} step {loop.step} loss {np.mean(loop.losses):.4f}",

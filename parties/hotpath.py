@@ -53,9 +53,20 @@ class HotRequest:
 
 @dataclass(frozen=True)
 class HotResponse:
+    """``after``: work to run once the answer is on its way (the caller no longer waits for it)."""
+
     body: bytes
     content_type: str
     status: int = 200
+    after: Callable[[], None] | None = None
+
+    def run_after(self, scope: Scope) -> None:
+        if self.after is None:
+            return
+        try:
+            self.after()
+        except Exception:
+            logger.exception("after answering %s %s", scope["method"], scope["path"])
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
@@ -173,6 +184,7 @@ class HotPath:
         response = exchange.finish()
         await send({"type": "http.response.start", "status": response.status, "headers": response.headers()})
         await send({"type": "http.response.body", "body": response.body})
+        response.run_after(scope)
 
 
 def _error(status: int, kind: str, detail: str) -> HotResponse:

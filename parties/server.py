@@ -172,13 +172,13 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         assert isinstance(cycle, _HotCycle)
         response = cycle.exchange.finish()
         cycle.response_complete = True
-        if self.transport.is_closing():
-            return
-        self.transport.write(response.http(self.server_state.default_headers, close=not cycle.keep_alive))
-        if not cycle.keep_alive:
-            self.transport.close()
-        self.on_response_complete()
-        if self._hot is not None and self._hot.settings.step_poll_ms > 0 and cycle.keep_alive:
+        if not self.transport.is_closing():
+            self.transport.write(response.http(self.server_state.default_headers, close=not cycle.keep_alive))
+            if not cycle.keep_alive:
+                self.transport.close()
+            self.on_response_complete()
+        response.run_after(cycle.exchange.scope)
+        if self._hot is not None and self._hot.settings.step_poll_ms > 0 and not self.transport.is_closing():
             self._poll.extend(self._hot.settings.step_poll_ms / 1000)
 
 

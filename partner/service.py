@@ -149,10 +149,11 @@ def step(request: HotRequest) -> HotResponse:
     message = _checked(request.body, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
     z = trainer.step(number, message.get("grad"), message.get("rows"))
-    if message.meta.get("checkpoint") == "1":  # every party checkpoints after the same step
-        c.checkpoint(session_id)
     body = encode({} if z is None else {"embedding": z}, session=session_id, step=number)
-    return HotResponse(body, SAFETENSORS)
+    # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
+    # the event loop reads the next request: the same state, off the bank's critical path.
+    checkpoint = message.meta.get("checkpoint") == "1"
+    return HotResponse(body, SAFETENSORS, after=(lambda: c.checkpoint(session_id)) if checkpoint else None)
 
 
 @train.post("/{session_id}/embed")

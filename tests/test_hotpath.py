@@ -23,11 +23,21 @@ from parties.tls import PeerIdentity, TLSFiles
 LIMIT = 1 << 16
 
 
+AFTER: list[bytes] = []
+
+
 def echo(request: HotRequest) -> HotResponse:
     if request.body == b"refuse":
         raise OutOfOrder("refused on purpose")
     if request.body == b"crash":
         raise RuntimeError("a bug")
+    if request.body.startswith(b"after"):
+        def after() -> None:
+            if request.body == b"after-crash":
+                raise RuntimeError("a bug after answering")
+            AFTER.append(request.body)
+
+        return HotResponse(b"%d" % len(AFTER), "text/plain", after=after)
     answer = f"{request.caller.role}:{request.caller.name}:{request.params['thing']}:{request.state.seen}:"
     return HotResponse(answer.encode() + request.body, "application/octet-stream")
 
@@ -186,3 +196,12 @@ def test_busy_polling_keeps_serving_and_ends_at_its_deadline() -> None:
     assert 0.005 <= late < 0.015
     assert polled >= 0.025  # 5 ms in, extended by 20 ms
     assert same
+
+
+def test_work_after_the_answer_runs_before_the_next_request(server: ServerThread, pki: Path) -> None:
+    AFTER.clear()
+    with _client(pki, "bank", server.url) as client:
+        assert client.post("/things/a/echo", content=b"after").content == b"0"
+        assert client.post("/things/a/echo", content=b"after-crash").content == b"1"  # its failure is only logged
+        assert client.post("/things/a/echo", content=b"after").content == b"1"
+    assert AFTER == [b"after", b"after"]
