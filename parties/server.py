@@ -92,6 +92,8 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     """uvicorn's HTTP protocol, plus the verified client certificate in every request's scope,
     and the app's hot routes answered without ASGI."""
 
+    busy_poll = True  # after answering a step, poll for the next (``_BusyPoll``)
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # uvicorn writes a response's head and body separately; without TCP_NODELAY the body
@@ -178,8 +180,16 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
                 self.transport.close()
             self.on_response_complete()
         response.run_after(cycle.exchange.scope)
-        if self._hot is not None and self._hot.settings.step_poll_ms > 0 and not self.transport.is_closing():
+        if self.busy_poll and self._hot is not None and self._hot.settings.step_poll_ms > 0 \
+                and not self.transport.is_closing():
             self._poll.extend(self._hot.settings.step_poll_ms / 1000)
+
+
+class _ThreadHTTPProtocol(PeerCertHTTPProtocol):
+    """For a server in a thread of a bigger process: a polling event loop would hold the GIL
+    that the process's other threads need."""
+
+    busy_poll = False
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -192,8 +202,13 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-def build_server(app: Any, tls: TLSFiles | None, *, log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for ``app``; ``tls=None`` serves plain HTTP (the caller warns about it)."""
+def build_server(
+    app: Any, tls: TLSFiles | None, *, log_level: str = "warning", own_process: bool = True
+) -> uvicorn.Server:
+    """A uvicorn server for ``app``; ``tls=None`` serves plain HTTP (the caller warns about it).
+
+    ``own_process=False``: the server shares its process (and the GIL) with other work, so its event
+    loop never busy-polls."""
     kwargs: dict[str, Any] = {}
     if tls is not None:
         tls.check()
@@ -205,7 +220,7 @@ def build_server(app: Any, tls: TLSFiles | None, *, log_level: str = "warning") 
         }
     config = uvicorn.Config(
         app,
-        http=PeerCertHTTPProtocol,
+        http=PeerCertHTTPProtocol if own_process else _ThreadHTTPProtocol,
         log_level=log_level,
         log_config=None,  # the entry point configures logging
         access_log=False,  # access lines carry URLs and peers; our own logs say what matters
@@ -246,7 +261,7 @@ class ServerThread:
     def __init__(self, app: Any, tls: TLSFiles | None, host: str = "127.0.0.1") -> None:
         self.app = app
         self.sock = bind_socket(host, 0)
-        self.server = build_server(app, tls)
+        self.server = build_server(app, tls, own_process=False)
         scheme = "https" if tls is not None else "http"
         self.url = f"{scheme}://{host}:{self.sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn {self.url}")
