@@ -171,7 +171,7 @@ class BankCore:
         return {
             name: HttpPartner(name, url, client, channel=make_channel(
                 self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
-                timeout=self.settings.peer_timeout, poll=self.settings.step_poll_ms / 1000,
+                timeout=self.settings.peer_timeout, poll=self.settings.step_poll_seconds,
             ), retry_deadline=self.settings.peer_retry_deadline)
             for name, url in urls.items()
         }

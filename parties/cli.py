@@ -62,7 +62,7 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
                              "run best on CPUs of their own")
     parser.add_argument("--step-poll-ms", type=float, default=None,
                         help="while a training step is due, poll for it this long before sleeping "
-                             "(default 2; 0: always sleep)")
+                             "(default: 2 with --cpus, else 0)")
     parser.add_argument("--log-level", default="INFO")
 
 

@@ -180,9 +180,9 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
                 self.transport.close()
             self.on_response_complete()
         response.run_after(cycle.exchange.scope)
-        if self.busy_poll and self._hot is not None and self._hot.settings.step_poll_ms > 0 \
-                and not self.transport.is_closing():
-            self._poll.extend(self._hot.settings.step_poll_ms / 1000)
+        poll = self._hot.settings.step_poll_seconds if self.busy_poll and self._hot is not None else 0.0
+        if poll > 0 and not self.transport.is_closing():
+            self._poll.extend(poll)
 
 
 class _ThreadHTTPProtocol(PeerCertHTTPProtocol):

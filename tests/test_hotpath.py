@@ -205,3 +205,14 @@ def test_work_after_the_answer_runs_before_the_next_request(server: ServerThread
         assert client.post("/things/a/echo", content=b"after-crash").content == b"1"  # its failure is only logged
         assert client.post("/things/a/echo", content=b"after").content == b"1"
     assert AFTER == [b"after", b"after"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "seconds"),
+    [({}, 0.0), ({"cpus": (0,)}, 0.002), ({"cpus": (0,), "step_poll_ms": 0}, 0.0), ({"step_poll_ms": 5}, 0.005)],
+    ids=["shared-cpus", "own-cpus", "own-cpus-off", "explicit"],
+)
+def test_services_poll_for_steps_only_on_cpus_of_their_own(
+    pki: Path, tmp_path: Path, extra: dict[str, object], seconds: float
+) -> None:
+    assert _settings(pki, tmp_path, **extra).step_poll_seconds == seconds
