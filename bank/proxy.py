@@ -14,7 +14,7 @@ import logging
 import time
 
 from collections.abc import Callable
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import httpx
 import numpy as np
@@ -101,7 +101,20 @@ class TrainingParty(Protocol):
         ...
 
 
-__all__ = ["HttpPartner", "TrainingParty"]
+__all__ = ["HttpPartner", "TrainingParty", "retrying"]
+
+
+def retrying(party: TrainingParty, call: Callable[[], Any]) -> Any:
+    """A control call to a party that may still be restarting: retried until the party's deadline."""
+    deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
+    while True:
+        try:
+            return call()
+        except PeerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
 
 logger = logging.getLogger(__name__)
 

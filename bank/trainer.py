@@ -25,7 +25,7 @@ import torch
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
 from bank.defenses import perturb_gradient, randomized_response
-from bank.proxy import TrainingParty
+from bank.proxy import TrainingParty, retrying
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.task import Task
@@ -210,13 +210,13 @@ class Coordinator:
         assert self.top is not None and self.checkpoint_dir is not None
         common = set(self._checkpoint_steps())
         for p in self.parties:
-            common &= set(self._retrying(p, p.checkpoints))
+            common &= set(retrying(p, p.checkpoints))
         if not common:
             raise PeerError(f"{cause}; and no step is checkpointed by every party, so training cannot continue")
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
         for p in self.parties:
-            self._retrying(p, lambda p=p: p.restore(step))
+            retrying(p, lambda p=p: p.restore(step))
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
@@ -235,7 +235,7 @@ class Coordinator:
         assert self.checkpoint_dir is not None
         self.widths = read_checkpoint(self.checkpoint_dir, steps[-1]).meta["widths"]
         for p in self.parties:
-            self._retrying(p, lambda p=p: p.attach(self.session_id, self.widths[p.name]))
+            retrying(p, lambda p=p: p.attach(self.session_id, self.widths[p.name]))
         return self._build_top()
 
     def _last_consistent(self) -> str:
@@ -250,17 +250,6 @@ class Coordinator:
             return "no step is checkpointed by every party yet"
         return (f"the bank has checkpointed step {steps[-1]} (session {self.session_id}); a resume goes back to "
                 "the latest step every party holds")
-
-    def _retrying(self, party: TrainingParty, call: Callable[[], Any]) -> Any:
-        """A control call to a party that may still be restarting: retried until the party's deadline."""
-        deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
-        while True:
-            try:
-                return call()
-            except PeerUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
 
     # --- the loop --------------------------------------------------------------------------
 
