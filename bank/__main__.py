@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import textwrap
 
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -13,16 +14,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bank.config import TrainingConfig
+from bank.config import TopConfig, TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
-from parties.cli import add_service_arguments, apply_process_settings, configure_logging, run_cli, service_values
+from parties.cli import (
+    add_service_arguments,
+    apply_process_settings,
+    configure_logging,
+    default_of,
+    description,
+    run_cli,
+    service_values,
+)
 from parties.dataset import load_party_table
 from parties.errors import ConfigError
+from parties.model import BottomConfig
 from parties.protocol import AlignmentRequest, JobStatus
 from parties.server import serve
-from parties.settings import BankSettings, load_settings
+from parties.settings import BankSettings, describe_problems, load_settings
 from parties.tls import TLSFiles
 
 logger = logging.getLogger("bank")
@@ -42,38 +52,75 @@ def _partners(items: list[str]) -> dict[str, str] | None:
 
 def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
     """How the bank's operator reaches its own service: its URL and the bank's certificate."""
-    parser.add_argument("--url", required=True, help="the bank service, e.g. https://127.0.0.1:8443")
-    parser.add_argument("--name", default="bank", help="the bank's party name (its certificate)")
-    parser.add_argument("--tls-dir", type=Path, default=None)
-    parser.add_argument("--insecure", action="store_true")
+    parser.add_argument("--url", help="the bank service, e.g. https://127.0.0.1:8443 (required)")
+    parser.add_argument("--name", default="bank", help="the bank's party name, its certificate's CN (default %(default)s)")
+    parser.add_argument("--tls-dir", type=Path, default=None,
+                        help="folder with ca.pem, NAME.pem and NAME.key: the bank's certificate")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plain HTTP, for a bank service started with --insecure (development only)")
+
+
+CACHE_HELP = "where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)"
+
+def _config_epilog() -> str:
+    """The training settings, listed from the models the bank builds them with."""
+    wrap = lambda label, names: textwrap.fill(", ".join(names), width=100, initial_indent=f"  {label}: ",
+                                               subsequent_indent=" " * (len(label) + 4))
+    nested = {"bank_bottom": BottomConfig, "top": TopConfig}
+    return "\n".join([
+        "training settings (--config FILE: a JSON object; TrainingConfig in bank/config.py):",
+        wrap("top level", [f for f in TrainingConfig.model_fields if f not in nested]),
+        wrap("bank_bottom (the bank's own bottom model)", list(BottomConfig.model_fields)),
+        wrap("top (the top model)", list(TopConfig.model_fields)),
+        "",
+        "example:",
+        '  {"epochs": 20, "batch_size": 512, "bank_bottom": {"learning_rate": 0.002}, "top": {"hidden": [64, 32]}}',
+        "",
+        "--print-config prints every setting with its default.",
+    ])
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bank", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bank", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the bank's coordinator endpoints")
     add_service_arguments(s)
-    s.add_argument("--label", default=None, help="label column (default: y)")
+    s.add_argument("--label", default=None, help=f"label column (default {default_of(BankSettings, 'label')})")
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
 
     a = sub.add_parser("align", help="align customers with every partner, through the running bank service")
     _add_operator_arguments(a)
-    a.add_argument("--partners", default=None, help="comma-separated subset of partners")
-    a.add_argument("--min-intersection", type=int, default=None)
-    a.add_argument("--log-level", default="WARNING")
+    a.add_argument("--partners", default=None, help="comma-separated subset of partners (default: every one)")
+    a.add_argument("--min-intersection", type=int, default=None,
+                   help="refuse an intersection smaller than this (default: the service's --min-intersection)")
+    _add_log_level(a)
 
-    t = sub.add_parser("train", help="train across every partner, through the running bank service")
+    t = sub.add_parser("train", help="train across every partner, through the running bank service",
+                       epilog=_config_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_operator_arguments(t)
-    t.add_argument("--config", type=Path, default=None, help="a JSON file of training settings (see bank/config.py)")
-    t.add_argument("--epochs", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None)
-    t.add_argument("--aggregation", choices=["concat", "sum", "mean"], default=None)
-    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--config", type=Path, default=None,
+                   help="a JSON file of training settings (see below; --print-config shows them all); "
+                        "flags given here override it")
+    t.add_argument("--print-config", action="store_true",
+                   help="print every training setting with its default, as JSON to edit for --config, and exit")
+    t.add_argument("--epochs", type=int, default=None,
+                   help=f"at most this many epochs (default {default_of(TrainingConfig, 'epochs')}; "
+                        f"early stopping after {default_of(TrainingConfig, 'patience')} without improvement)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help=f"training rows per step (default {default_of(TrainingConfig, 'batch_size')})")
+    t.add_argument("--aggregation", choices=["concat", "sum", "mean"], default=None,
+                   help=f"how the top model combines the embeddings (default {default_of(TrainingConfig, 'aggregation')})")
+    t.add_argument("--seed", type=int, default=None,
+                   help=f"seed of the split and the batch order (default {default_of(TrainingConfig, 'seed')})")
     t.add_argument("--audit", action="store_true", default=None, help="record what crossed the cut, for analysis")
     t.add_argument("--resume", metavar="SESSION", default=None,
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
-    t.add_argument("--log-level", default="WARNING")
+    _add_log_level(t)
 
     sc = sub.add_parser("score", help="score new customers with a trained model, through the running bank service")
     _add_operator_arguments(sc)
@@ -82,39 +129,44 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", type=Path, required=True, help="where to write the scores (CSV)")
     sc.add_argument("--allow-missing", action="store_true",
                     help="score customers a partner lacks without that partner (its embedding set to zero)")
-    sc.add_argument("--log-level", default="WARNING")
+    _add_log_level(sc)
 
     r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
     r.add_argument("run", type=Path, nargs="?", default=None, help="run folder (default: the latest under runs/)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
-    r.add_argument("--log-level", default="WARNING")
+    _add_log_level(r)
 
     ps = sub.add_parser("privacy-study", help="measure every defense's price and effect (simulation only)")
     ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
-    ps.add_argument("--epochs", type=int, default=10)
-    ps.add_argument("--hijack-runs", type=int, default=5, help="honest and hijacking runs each, for the monitor's rates")
-    ps.add_argument("--cache-dir", type=Path, default=None)
-    ps.add_argument("--log-level", default="WARNING")
+    ps.add_argument("--epochs", type=int, default=10, help="epochs per setting (default %(default)s)")
+    ps.add_argument("--hijack-runs", type=int, default=5,
+                    help="honest and hijacking runs each, for the monitor's rates (default %(default)s)")
+    ps.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    _add_log_level(ps)
 
     b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
-    b.add_argument("--epochs", type=int, default=4, help="epochs per round (default 4)")
-    b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default 3)")
+    b.add_argument("--epochs", type=int, default=4, help="epochs per round (default %(default)s)")
+    b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
     b.add_argument("--batch-size", type=int, default=None, help="training batch size (default: training's default)")
-    b.add_argument("--cache-dir", type=Path, default=None)
+    b.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    b.add_argument("--log-level", default="WARNING")
+    _add_log_level(b)
 
     w = sub.add_parser("walkthrough", help="run the bank-marketing walkthrough end to end")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
-    w.add_argument("--partners", type=int, default=1)
-    w.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--cache-dir", type=Path, default=None, help="where bank-full.csv is cached")
-    w.add_argument("--no-download", action="store_true")
-    w.add_argument("--workers", type=int, default=None)
-    w.add_argument("--epochs", type=int, default=None, help="training epochs (default 30, with early stopping)")
+    w.add_argument("--partners", type=int, default=1,
+                   help="spread the partner columns over N partners, each its own service (default %(default)s)")
+    w.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seed of the partition and of training's split and batch order (default %(default)s)")
+    w.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    w.add_argument("--no-download", action="store_true", help="fail instead of downloading bank-full.csv")
+    w.add_argument("--workers", type=int, default=None, help="PSI worker processes per party (default: every core)")
+    w.add_argument("--epochs", type=int, default=None,
+                   help=f"at most this many training epochs (default {default_of(TrainingConfig, 'epochs')}, "
+                        f"with early stopping after {default_of(TrainingConfig, 'patience')} without improvement)")
     w.add_argument("--max-steps", type=int, default=None, help="stop training after N steps (smoke runs)")
     w.add_argument("--audit", action="store_true", default=None,
                    help="record what crossed the cut, for the notebook's leakage audit")
@@ -127,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gradient-defense", choices=["none", "max_norm", "isotropic"], default=None,
                    help="bank: perturb the gradients partners receive")
     d.add_argument("--gradient-noise", type=float, default=None, help="bank: isotropic noise scale")
-    w.add_argument("--log-level", default="WARNING")
+    _add_log_level(w)
     return parser
 
 
@@ -175,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")
         return 0
+    if args.command == "train" and args.print_config:
+        print(TrainingConfig().model_dump_json(indent=2))
+        return 0
     if args.command in ("align", "train", "score"):
+        if args.url is None:
+            raise ConfigError("give --url: the bank service, e.g. https://127.0.0.1:8443")
         if args.tls_dir is None and not args.insecure:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
@@ -185,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         with BankOperator(args.url, tls, args.name) as operator:
             job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
             result = _follow(operator, job, "training")
-        print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+        print(json.dumps({k: result[k] for k in ("session", "run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+        connection = f"--url {args.url} " + ("--insecure" if args.insecure else f"--tls-dir {args.tls_dir}")
+        print(f"\nmodel id: {result['session']}\n"
+              f"next, score new customers (a CSV of IDs and the bank's own columns):\n"
+              f"  python -m bank score {connection} --model {result['session']} "
+              f"--data new_customers.csv --out scores.csv")
         return 0
     if args.command == "score":
         try:
@@ -197,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             result = _follow(operator, job, "scoring")
             args.out.write_bytes(operator.scores(job.job_id))
         print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
+        for partner, count in result.get("scored_without", {}).items():
+            print(f"  of which {count} scored without {partner} (it does not hold them; its embedding was set to zero)")
         return 0
     if args.command == "align":
         request = AlignmentRequest(
@@ -230,7 +294,10 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
             bar.n = int(1000 * (status.fraction or 0))
             bar.set_postfix_str(status.progress[:60])
 
-        return operator.wait(job, on_progress=show)
+        result = operator.wait(job, on_progress=show)
+        bar.n = bar.total  # the job is done: whatever its last progress report said
+        bar.refresh()
+        return result
 
 
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
@@ -240,12 +307,27 @@ def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
             values = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: training settings are a JSON object, e.g. {{\"epochs\": 20}}")
     values |= {k: v for k, v in overrides.items() if v is not None}
+    where = f" in {path}" if path else ""
+    misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
+    if misplaced:
+        raise ConfigError(f"invalid training settings{where}: {'; '.join(misplaced)}")
     try:
         return TrainingConfig(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid training settings{f' in {path}' if path else ''}: {problems}") from exc
+        problems = describe_problems(exc, lambda loc: ".".join(str(p) for p in loc))
+        raise ConfigError(f"invalid training settings{where}: {problems}") from exc
+
+
+def _misplaced(key: str) -> str:
+    """Say where an unknown top-level key belongs, if it is a setting of a nested model."""
+    homes = [name for name, model in (("bank_bottom", BottomConfig), ("top", TopConfig)) if key in model.model_fields]
+    if not homes:
+        return f"{key!r} is not a training setting (python -m bank train --print-config lists them)"
+    example = f'{{"{homes[0]}": {{"{key}": ...}}}}'
+    return f"{key!r} is not a top-level setting: it belongs under {' or '.join(map(repr, homes))}, e.g. {example}"
 
 
 def print_summary(out: Path, summary: dict[str, Any]) -> None:

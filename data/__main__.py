@@ -9,7 +9,7 @@ from pathlib import Path
 from data.partition import SYNTHETIC_ID, PartitionSpec, PartySpec, partition, read_source_csv, write_partition
 from data.prepare import prepare_bank_marketing
 from data.uci import BANK_MARKETING_URL, cache_dir, locate_bank_full
-from parties.cli import configure_logging, run_cli
+from parties.cli import configure_logging, description, run_cli
 from parties.errors import ConfigError
 
 
@@ -24,35 +24,39 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m data", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     fetch = sub.add_parser("fetch", help="put a verified bank-full.csv into the data cache")
     fetch.add_argument("--cache-dir", type=Path, default=None, help=f"default: $CUTLAYER_DATA_DIR or {cache_dir()}")
-    fetch.add_argument("--url", default=BANK_MARKETING_URL)
+    fetch.add_argument("--url", default=BANK_MARKETING_URL, help="the UCI archive (default %(default)s)")
 
     bm = sub.add_parser("bank-marketing", help="write the walkthrough's per-party files")
     bm.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
-    bm.add_argument("--partners", type=int, default=1, help="spread the partner columns over N partners")
+    bm.add_argument("--partners", type=int, default=1, help="spread the partner columns over N partners (default %(default)s)")
     bm.add_argument("--partner-names", default=None, help="comma-separated names, one per partner")
-    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--seed", type=int, default=0, help="seed of who holds which customer (default %(default)s)")
     bm.add_argument("--rows", type=int, default=None, help="keep a seeded random slice of N customers")
-    bm.add_argument("--bank-coverage", type=float, default=0.95)
-    bm.add_argument("--partner-coverage", type=float, default=0.90)
-    bm.add_argument("--cache-dir", type=Path, default=None)
+    bm.add_argument("--bank-coverage", type=float, default=0.95,
+                    help="share of the customers the bank holds (default %(default)s)")
+    bm.add_argument("--partner-coverage", type=float, default=0.90,
+                    help="share of the customers each partner holds (default %(default)s)")
+    bm.add_argument("--cache-dir", type=Path, default=None,
+                    help="where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)")
     bm.add_argument("--no-download", action="store_true", help="fail instead of downloading")
 
     gen = sub.add_parser("partition", help="split any CSV vertically")
-    gen.add_argument("--csv", type=Path, required=True)
-    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--csv", type=Path, required=True, help="the whole table, one row per customer")
+    gen.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
     gen.add_argument("--sep", default=None, help="field separator (default: ';' or ',' from the header)")
     gen.add_argument("--label", required=True, help="label column")
     gen.add_argument("--label-party", required=True, help="the party that keeps the label")
     gen.add_argument("--party", action="append", default=[], metavar="NAME=COL,COL", help="repeat per party")
-    gen.add_argument("--coverage", action="append", default=[], metavar="NAME=FRACTION")
+    gen.add_argument("--coverage", action="append", default=[], metavar="NAME=FRACTION",
+                     help="share of the customers a party holds (default 1); repeat per party")
     gen.add_argument("--id-column", default=None, help="default: synthesise stable IDs from the row number")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--log-level", default="INFO")
+    gen.add_argument("--seed", type=int, default=0, help="seed of who holds which customer (default %(default)s)")
+    gen.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     return parser
 
 

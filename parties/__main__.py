@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from parties.cli import configure_logging, run_cli
+from parties.cli import configure_logging, description, run_cli
 from parties.errors import ConfigError
 from parties.tls import DEFAULT_HOSTS, write_dev_pki
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parties", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m parties", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     certs = sub.add_parser("certs", help="create a development CA and party certificates")
     certs.add_argument("--out", type=Path, required=True, help="folder for ca.pem and NAME.pem/NAME.key")
@@ -20,8 +20,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="a party and its role (bank or partner); repeat per party")
     certs.add_argument("--host", action="append", default=None,
                        help=f"a host name or IP the services answer on (default: {', '.join(DEFAULT_HOSTS)})")
-    certs.add_argument("--days", type=int, default=365)
-    args = parser.parse_args(argv)
+    certs.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging("WARNING")
     parties = {}
     for item in args.party:

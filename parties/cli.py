@@ -9,9 +9,41 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import BaseModel, ValidationError
+
 from parties.errors import ConfigError, CutlayerError
 
-__all__ = ["add_service_arguments", "apply_process_settings", "configure_logging", "run_cli", "service_values"]
+__all__ = [
+    "add_service_arguments",
+    "apply_process_settings",
+    "configure_logging",
+    "default_of",
+    "description",
+    "run_cli",
+    "service_values",
+    "show",
+]
+
+
+def show(value: object) -> str:
+    """A default as a person reads it in ``--help``: ``64,32`` for a tuple, ``0.005`` for a float."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(show(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def default_of(model: type[BaseModel], field: str) -> str:
+    """The default of ``model.field``, for help texts: help shows what the code uses, from the same object."""
+    info = model.model_fields[field]
+    value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+    return show(value)
+
+
+def description(doc: str | None) -> str:
+    """A module docstring as an argparse description: reST literals (double backticks) read as plain text."""
+    return (doc or "").replace("``", "")
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -32,6 +64,11 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except CutlayerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ValidationError as exc:  # a model built outside the settings loaders: still one line, not a traceback
+        from parties.settings import describe_problems
+
+        print(f"error: {describe_problems(exc, lambda loc: '.'.join(map(str, loc)))}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(code or 0)
@@ -39,31 +76,39 @@ def run_cli(main: Callable[[], int | None]) -> None:
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every ``serve`` command takes; unset flags fall back to the environment, then defaults."""
+    from parties.settings import ServiceSettings as S
+
     parser.add_argument("--name", required=True, help="this party's name (its certificate's CN)")
     parser.add_argument("--data", type=Path, required=True, help="this party's own CSV file")
-    parser.add_argument("--id-column", default=None, help="customer ID column (default: customer_id)")
+    parser.add_argument("--id-column", default=None,
+                        help=f"customer ID column (default {default_of(S, 'id_column')})")
     parser.add_argument("--schema", dest="schema_file", type=Path, default=None,
                         help="numeric/categorical columns (default: <data>.schema.json if present, else inferred)")
-    parser.add_argument("--host", default=None, help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default: 0, any free port)")
-    parser.add_argument("--tls-dir", type=Path, default=None, help="folder with ca.pem, NAME.pem, NAME.key")
-    parser.add_argument("--tls-ca", type=Path, default=None)
-    parser.add_argument("--tls-cert", type=Path, default=None)
-    parser.add_argument("--tls-key", type=Path, default=None)
+    parser.add_argument("--host", default=None, help=f"address to listen on (default {default_of(S, 'host')})")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"port to listen on (default {default_of(S, 'port')}: any free port)")
+    parser.add_argument("--tls-dir", type=Path, default=None, help="folder with ca.pem, NAME.pem, NAME.key "
+                        "(as python -m parties certs writes them); or give the three files one by one:")
+    parser.add_argument("--tls-ca", type=Path, default=None, help="the partnership's CA certificate (PEM)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="this party's certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="this party's private key (PEM)")
     parser.add_argument("--insecure", action="store_true", default=None,
-                        help="plain HTTP, no certificates: development only")
-    parser.add_argument("--state-dir", type=Path, default=None, help="where this party keeps caches and state")
+                        help="plain HTTP, no certificates: development on one machine only")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where this party keeps caches, checkpoints and models (default ./cutlayer-state/NAME)")
     parser.add_argument("--workers", type=int, default=None, help="PSI worker processes (default: every core)")
-    parser.add_argument("--min-intersection", type=int, default=None, help="refuse smaller intersections")
+    parser.add_argument("--min-intersection", type=int, default=None,
+                        help=f"refuse smaller intersections (default {default_of(S, 'min_intersection')})")
     parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
-    parser.add_argument("--torch-threads", type=int, default=None, help="intra-op threads for the model (default 1)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help=f"intra-op threads for the model (default {default_of(S, 'torch_threads')})")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one machine "
                              "run best on CPUs of their own")
     parser.add_argument("--step-poll-ms", type=float, default=None,
                         help="while a training step is due, poll for it this long before sleeping "
                              "(default: 2 with --cpus, else 0)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
 SERVICE_FIELDS = (

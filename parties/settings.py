@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
@@ -16,7 +17,7 @@ from parties.hijack import MonitorConfig
 from parties.privacy import PrivacyConfig
 from parties.tls import Role, TLSFiles
 
-__all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "load_settings"]
+__all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +142,45 @@ class BankSettings(ServiceSettings):
         return self
 
 
+def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ...]], str]) -> str:
+    """A validation error as one line a person reads: ``where(loc): message`` per problem.
+
+    Drops pydantic's framing ("Value error, ", the model's own name as a location):
+    the message a validator raises is already the sentence to show.
+    """
+    problems = []
+    for e in exc.errors():
+        message = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if e["type"] == "extra_forbidden":
+            message = "not a known setting"
+        place = where(tuple(e["loc"])) if e["loc"] else ""
+        problems.append(f"{place}: {message}" if place else message)
+    return "; ".join(problems)
+
+
+#: Settings whose command-line flag is not simply the field's name with dashes.
+_FLAGS = {
+    "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
+    "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.delta": "--dp-delta",
+    "privacy.budget": "--dp-budget", "monitor.probe_every": "--hijack-probe-every",
+}
+
+
+def _flag(loc: tuple[int | str, ...]) -> str:
+    """The command-line flag behind a settings field (the environment variable has the same name)."""
+    dotted = ".".join(str(p) for p in loc)
+    if dotted in _FLAGS:
+        return _FLAGS[dotted]
+    if loc[0] in ("bottom",) and len(loc) > 1:
+        return "--" + str(loc[1]).replace("_", "-")
+    if str(loc[0]) in _FLAGS:
+        return _FLAGS[str(loc[0])]
+    return "--" + dotted.replace("_", "-")
+
+
 def load_settings(cls: type[ServiceSettings], **values: object) -> ServiceSettings:
     """Build settings from flags (``None`` means: not given, use the environment or the default)."""
     try:
         return cls(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"invalid {cls.role} settings: {problems}") from exc
+        raise ConfigError(describe_problems(exc, _flag)) from exc

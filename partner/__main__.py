@@ -6,8 +6,15 @@ import argparse
 import logging
 import sys
 
-
-from parties.cli import add_service_arguments, apply_process_settings, configure_logging, run_cli, service_values
+from parties.cli import (
+    add_service_arguments,
+    apply_process_settings,
+    configure_logging,
+    default_of,
+    description,
+    run_cli,
+    service_values,
+)
 from parties.dataset import load_party_table
 from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
@@ -19,24 +26,37 @@ from partner.service import create_app
 logger = logging.getLogger("partner")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m partner", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m partner", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve the partner's endpoints")
+    s = sub.add_parser("serve", help="serve the partner's endpoints", description=description(__doc__))
     add_service_arguments(s)
     b = s.add_argument_group("this partner's own bottom model")
-    b.add_argument("--hidden", default=None, help="hidden layer widths, comma-separated (default 64)")
-    b.add_argument("--cut-width", type=int, default=None, help="embedding width sent to the bank (default 16)")
-    b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
-    b.add_argument("--optimizer", choices=["adam", "sgd"], default=None)
-    b.add_argument("--seed", type=int, default=None, help="initialisation seed (default 0)")
+    b.add_argument("--hidden", default=None,
+                   help=f"hidden layer widths, comma-separated (default {default_of(BottomConfig, 'hidden')})")
+    b.add_argument("--cut-width", type=int, default=None,
+                   help=f"embedding width sent to the bank (default {default_of(BottomConfig, 'cut_width')})")
+    b.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default {default_of(BottomConfig, 'learning_rate')})")
+    b.add_argument("--optimizer", choices=["adam", "sgd"], default=None,
+                   help=f"optimizer of the bottom model (default {default_of(BottomConfig, 'optimizer')})")
+    b.add_argument("--seed", type=int, default=None,
+                   help=f"initialisation seed (default {default_of(BottomConfig, 'seed')})")
     d = s.add_argument_group("embedding differential privacy (off unless --dp-clip is given)")
     d.add_argument("--dp-clip", type=float, default=None, help="L2 bound on each released embedding row")
-    d.add_argument("--dp-noise", type=float, default=None, help="Gaussian noise std per coordinate")
-    d.add_argument("--dp-delta", type=float, default=None, help="δ for the reported ε (default 1e-5)")
+    d.add_argument("--dp-noise", type=float, default=None,
+                   help=f"Gaussian noise std per coordinate (default {default_of(PrivacyConfig, 'noise')})")
+    d.add_argument("--dp-delta", type=float, default=None,
+                   help=f"δ for the reported ε (default {default_of(PrivacyConfig, 'delta')})")
     d.add_argument("--dp-budget", type=float, default=None, help="refuse releases that would pass this ε")
     s.add_argument("--hijack-probe-every", type=int, default=None,
-                   help="watch for a hijacking bank: probe every N steps (default: off)")
+                   help=f"watch for a hijacking bank: probe every N steps "
+                        f"(default {default_of(MonitorConfig, 'probe_every')}: off)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     bottom = {
@@ -47,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     privacy = {"clip": args.dp_clip, "noise": args.dp_noise, "delta": args.dp_delta, "budget": args.dp_budget}
     privacy = {k: v for k, v in privacy.items() if v is not None}
     settings = load_settings(
-        PartnerSettings, **service_values(args), bottom=BottomConfig(**bottom) if bottom else None,
-        privacy=PrivacyConfig(**privacy) if privacy else None,
-        monitor=MonitorConfig(probe_every=args.hijack_probe_every) if args.hijack_probe_every else None,
+        PartnerSettings, **service_values(args), bottom=bottom or None, privacy=privacy or None,
+        monitor={"probe_every": args.hijack_probe_every} if args.hijack_probe_every is not None else None,
     )
     assert isinstance(settings, PartnerSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)

@@ -1,0 +1,178 @@
+"""The command lines say what they do: help for every flag, defaults from the objects the code uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import alignment.__main__ as alignment_cli
+import bank.__main__ as bank_cli
+import data.__main__ as data_cli
+import parties.__main__ as parties_cli
+import partner.__main__ as partner_cli
+from bank.config import TrainingConfig
+from parties.hijack import MonitorConfig
+from parties.cli import run_cli
+from parties.model import BottomConfig
+from parties.privacy import PrivacyConfig
+from parties.settings import BankSettings, ServiceSettings
+
+PARSERS = {
+    "bank": bank_cli.build_parser,
+    "partner": partner_cli.build_parser,
+    "data": data_cli.build_parser,
+    "parties": parties_cli.build_parser,
+    "alignment": alignment_cli.build_parser,
+}
+
+
+def _commands() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command parser of every CLI, named like ``bank train``."""
+    for name, build in PARSERS.items():
+        todo = [(name, build())]
+        while todo:
+            prog, parser = todo.pop()
+            yield prog, parser
+            for action in parser._actions:  # argparse has no public accessor for subparsers
+                if isinstance(action, argparse._SubParsersAction):
+                    todo += [(f"{prog} {sub}", p) for sub, p in action.choices.items()]
+
+
+def _options() -> Iterator[tuple[str, str, argparse.Action]]:
+    for prog, parser in _commands():
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                yield prog, action.option_strings[0], action
+
+
+def _help(action: argparse.Action) -> str:
+    """The help text as ``--help`` prints it (argparse expands ``%(default)s`` the same way)."""
+    return (action.help or "") % dict(vars(action), prog="")
+
+
+def test_every_option_has_help() -> None:
+    missing = [f"{prog} {flag}" for prog, flag, action in _options()
+               if not action.help or action.help == argparse.SUPPRESS]
+    assert not missing, f"options without help text: {missing}"
+
+
+@pytest.mark.parametrize("prog", [p for p, _ in _commands()])
+def test_help_reads_as_plain_text(prog: str) -> None:
+    parser = dict(_commands())[prog]
+    text = parser.format_help()
+    assert "``" not in text, f"{prog} --help shows reST literals"
+
+
+def _field(model: type, name: str) -> object:
+    info = model.model_fields[name]
+    return info.default_factory() if info.default_factory is not None else info.default
+
+
+def _show(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(_show(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+#: Options whose help states a default held by a settings model, not by argparse: the code's default.
+MODEL_DEFAULTS = {
+    ("partner serve", "--lr"): _field(BottomConfig, "learning_rate"),
+    ("partner serve", "--hidden"): _field(BottomConfig, "hidden"),
+    ("partner serve", "--cut-width"): _field(BottomConfig, "cut_width"),
+    ("partner serve", "--seed"): _field(BottomConfig, "seed"),
+    ("partner serve", "--optimizer"): _field(BottomConfig, "optimizer"),
+    ("partner serve", "--dp-noise"): _field(PrivacyConfig, "noise"),
+    ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
+    ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
+    ("bank serve", "--label"): _field(BankSettings, "label"),
+    ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
+    ("bank train", "--batch-size"): _field(TrainingConfig, "batch_size"),
+    ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
+    ("bank train", "--seed"): _field(TrainingConfig, "seed"),
+    ("bank walkthrough", "--epochs"): _field(TrainingConfig, "epochs"),
+    **{(f"{role} serve", flag): _field(ServiceSettings, field) for role in ("bank", "partner")
+       for flag, field in (("--id-column", "id_column"), ("--host", "host"), ("--port", "port"),
+                           ("--torch-threads", "torch_threads"), ("--min-intersection", "min_intersection"))},
+}
+
+
+def test_help_defaults_are_the_defaults_the_code_uses() -> None:
+    checked = 0
+    for prog, flag, action in _options():
+        claim = re.search(r"default:? ([^\s;,)]+(?:,[^\s;,)]+)*)", _help(action))
+        if (prog, flag) in MODEL_DEFAULTS:
+            expected = _show(MODEL_DEFAULTS[prog, flag])
+        elif action.default not in (None, False, [], argparse.SUPPRESS):
+            expected = _show(action.default)
+        else:
+            continue  # no default, or one described in words ("every core", "$CUTLAYER_DATA_DIR")
+        assert claim is not None, f"{prog} {flag}: help does not state its default {expected}"
+        stated = claim.group(1).removesuffix(":")  # "default 0: any free port"
+        assert stated == expected, f"{prog} {flag}: help says default {stated}, the code uses {expected}"
+        checked += 1
+    assert checked >= len(MODEL_DEFAULTS)
+    # The two the first user met: the partner's learning rate and the walkthrough's epochs.
+    train = {flag: _help(action) for prog, flag, action in _options() if prog == "bank walkthrough"}
+    assert f"default {TrainingConfig().epochs}" in train["--epochs"]
+
+
+def _run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _bank(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: bank_cli.main(argv))
+    out = capsys.readouterr()
+    return int(exit_.value.code or 0), out.out, out.err
+
+
+def test_a_flat_training_setting_is_told_where_it_belongs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "training.json"
+    config.write_text(json.dumps({"learning_rate": 0.01, "epochs": 3}))
+    code, _, err = _bank(["train", "--url", "https://127.0.0.1:9", "--insecure", "--config", str(config)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert str(config) in err and "'learning_rate' is not a top-level setting" in err
+    assert '"bank_bottom": {"learning_rate"' in err and "'top'" in err
+
+
+def test_print_config_shows_every_setting_and_loads_back(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _bank(["train", "--print-config"], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert TrainingConfig.model_validate(shown) == TrainingConfig()
+    assert set(shown) == set(TrainingConfig.model_fields) and "learning_rate" in shown["top"]
+    help_text = bank_cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert '"bank_bottom": {"learning_rate"' in help_text and "--print-config" in help_text
+
+
+def test_a_missing_tls_option_is_one_plain_line(tmp_path: Path) -> None:
+    data = tmp_path / "p.csv"
+    data.write_text("customer_id,x\n1,2\n")
+    run = _run("partner", "serve", "--name", "partner", "--data", str(data))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "error: TLS is required: give --tls-dir (or --tls-ca/--tls-cert/--tls-key), or --insecure"
+    ]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1"], "error: --lr: Input should be greater than 0"),
+    (["--dp-clip", "0"], "error: --dp-clip: Input should be greater than 0"),
+    (["--port", "70000"], "error: --port: Input should be less than or equal to 65535"),
+], ids=["lr", "dp-clip", "port"])
+def test_a_bad_flag_value_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                         message: str) -> None:
+    data = tmp_path / "p.csv"
+    data.write_text("customer_id,x\n1,2\n")
+    argv = ["serve", "--name", "partner", "--data", str(data), "--insecure", *flags]
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: partner_cli.main(argv))
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [message]
