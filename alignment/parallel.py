@@ -13,20 +13,46 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from functools import partial
 
 from alignment import curve
 
-__all__ = ["WorkerPool"]
+__all__ = ["WorkerPool", "start_fork_server"]
 
 logger = logging.getLogger(__name__)
 
 #: Below this many records, work runs in the calling process.
 INLINE_BELOW = 8192
 SLICE_RECORDS = 8192
+
+
+def start_fork_server(workers: int | None) -> None:
+    """Start the fork server every worker pool of this process forks from, deaf to Ctrl-C.
+
+    Ctrl-C reaches every process of the terminal's group, and the service that owns the
+    pools stops them itself. The fork server is a fresh interpreter that would print a
+    traceback if the signal came while it starts; it is started here with SIGINT ignored,
+    which it keeps and its workers inherit. Call it from the main thread, before serving;
+    with one worker (everything runs inline) there is nothing to start.
+    """
+    if not WorkerPool(workers).parallel:
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ignore_interrupts() -> None:
+    # Ctrl-C goes to every process in the terminal's group; the service that owns the pool shuts it
+    # down, so a worker has nothing to do with the signal but print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _hash_slice(ids: Sequence[bytes]) -> bytes:
@@ -43,12 +69,19 @@ class WorkerPool:
     def _pool(self) -> Executor:
         if self._executor is None:
             ctx = multiprocessing.get_context("forkserver")
-            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            self._executor = ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=ctx, initializer=_ignore_interrupts
+            )
             logger.info("started %d PSI worker processes", self.workers)
         return self._executor
 
+    @property
+    def parallel(self) -> bool:
+        """Whether this pool runs anything on worker processes."""
+        return self.workers > 1
+
     def _parallel(self, n: int) -> bool:
-        return self.workers > 1 and n >= INLINE_BELOW
+        return self.parallel and n >= INLINE_BELOW
 
     def hash_to_curve(self, ids: Sequence[bytes]) -> bytes:
         """``curve.hash_to_curve`` over all cores."""

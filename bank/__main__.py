@@ -18,6 +18,7 @@ from bank.config import TopConfig, TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
+from alignment.parallel import start_fork_server
 from parties.cli import (
     add_service_arguments,
     apply_process_settings,
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.insecure:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
         table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
+        start_fork_server(settings.workers)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0
     if args.command == "report":

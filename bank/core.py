@@ -22,7 +22,7 @@ from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
 from parties.dataset import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
-from parties.errors import BadMessage, ConfigError, OutOfOrder, UnknownSession
+from parties.errors import BadMessage, ConfigError, NotAligned, OutOfOrder, UnknownSession
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest
@@ -107,7 +107,7 @@ class BankCore:
         """
         alignment = self.alignment
         if alignment is None:
-            raise OutOfOrder("no alignment yet: align before training")
+            raise NotAligned("no alignment yet: align the customers first (POST /alignments)")
         runs = self.settings.state_path / "runs"
         if resume is not None:
             config = self._resumable(runs, resume, alignment)
@@ -159,7 +159,7 @@ class BankCore:
 
     def start_resume(self, session_id: str) -> Job:
         if self.alignment is None:
-            raise OutOfOrder("no alignment: a resumed session needs the alignment it trained on")
+            raise NotAligned("no alignment: a resumed session needs the alignment it trained on (POST /alignments)")
         self._resumable(self.settings.state_path / "runs", session_id, self.alignment)
         return self.jobs.submit("training", lambda progress: self.train(TrainingConfig(), progress, resume=session_id))
 
@@ -194,8 +194,11 @@ class BankCore:
         out = upload.with_name("scores.csv")
         scores.to_csv(out, index=False)
         scored = int(scores["status"].str.startswith("scored").sum())
+        # Rows scored with a partner's embedding set to zero took a fallback: count them per partner.
+        without = scores["status"][scores["status"].str.startswith("scored without: ")].str.removeprefix("scored without: ")
+        scored_without = {name: int(without.str.split("; ").map(lambda names, n=name: n in names).sum()) for name in names}
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
-                "unscorable": len(scores) - scored}
+                "unscorable": len(scores) - scored, "scored_without": {n: c for n, c in scored_without.items() if c}}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
         self.model_dir(model_id)
@@ -205,7 +208,7 @@ class BankCore:
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:
-            raise OutOfOrder("no alignment yet: POST /alignments first")
+            raise NotAligned("no alignment yet: align the customers first (POST /alignments)")
         self.partners(config.partners)
         return self.jobs.submit("training", lambda progress: self.train(config, progress))
 

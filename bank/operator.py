@@ -10,9 +10,9 @@ import httpx
 
 from bank.config import TrainingConfig
 from parties.client import make_client
-from parties.errors import CutlayerError, PeerError
+from parties.errors import CutlayerError, NotAligned, PeerError, PeerUntrusted
 from parties.protocol import AlignmentRequest, JobStatus
-from parties.tls import PeerIdentity, TLSFiles
+from parties.tls import PeerIdentity, TLSFiles, handshake_failure
 
 __all__ = ["BankOperator"]
 
@@ -32,12 +32,18 @@ class BankOperator:
         try:
             response = self.client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
+            untrusted = handshake_failure(exc)
+            if untrusted:
+                raise PeerUntrusted(f"the bank service at {self.url} answered, but {untrusted}") from exc
             raise PeerError(f"the bank service at {self.url} did not answer: {exc}") from exc
         if not response.is_success:
             try:
-                detail = response.json().get("detail")
-            except ValueError:
-                detail = response.text[:200]
+                body = response.json()
+                kind, detail = body.get("error"), body.get("detail")
+            except (ValueError, AttributeError):
+                kind, detail = None, response.text[:200]
+            if kind == NotAligned.__name__:
+                raise NotAligned("the bank has no alignment yet: run `python -m bank align` first")
             raise PeerError(f"the bank service refused {method} {path} (HTTP {response.status_code}): {detail}")
         return response
 

@@ -30,6 +30,7 @@ from parties.errors import (
     NotReady,
     PeerError,
     PeerUnavailable,
+    PeerUntrusted,
 )
 from parties.protocol import (
     ALIGNMENT_HEADER,
@@ -47,6 +48,7 @@ from parties.protocol import (
     RestoreRequest,
     TrainSessionInfo,
 )
+from parties.tls import handshake_failure
 from parties.wire import SAFETENSORS, decode, encode
 
 
@@ -148,6 +150,9 @@ class HttpPartner:
         try:
             response = self.client.request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
+            untrusted = handshake_failure(exc)
+            if untrusted:
+                raise PeerUntrusted(f"partner {self.name!r} at {self.url} answered ({what}), but {untrusted}") from exc
             raise PeerUnavailable(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
         self.bytes_sent += len(response.request.content or b"")
         self.bytes_received += len(response.content)

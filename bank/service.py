@@ -12,7 +12,7 @@ from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.app import create_party_app, read_body, require_self
 from parties.dataset import PartyTable, load_party_table
-from parties.errors import OutOfOrder
+from parties.errors import NotAligned, OutOfOrder
 from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus
 from parties.settings import BankSettings
 
@@ -33,7 +33,7 @@ async def start_alignment(body: AlignmentRequest, c: BankCore = Depends(core)) -
 @coordinator.get("/alignment", response_model=AlignmentInfo)
 async def current_alignment(c: BankCore = Depends(core)) -> AlignmentInfo:
     if c.alignment is None:
-        raise OutOfOrder("no alignment yet: POST /alignments first")
+        raise NotAligned("no alignment yet: align the customers first (POST /alignments)")
     return AlignmentInfo(alignment_id=c.alignment.alignment_id, rows=len(c.alignment), pairwise=c.pairwise)
 
 

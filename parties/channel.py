@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from parties.errors import PeerError, PeerUnavailable
-from parties.tls import PeerIdentity, peer_identity
+from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
+from parties.tls import PeerIdentity, handshake_failure, peer_identity
 
 __all__ = ["Channel", "ChannelResponse"]
 
@@ -131,6 +131,9 @@ class Channel:
             self._sock.sendall(head + body)
         except OSError as exc:
             self._fail()
+            untrusted = handshake_failure(exc)
+            if untrusted:
+                raise PeerUntrusted(f"{self.host}:{self.port} answered, but {untrusted}") from exc
             raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
         except BaseException:
             self._fail()

@@ -11,6 +11,7 @@ The tree::
     │   ├── PayloadTooLarge         body over the configured limit             -> 413
     │   ├── UnknownSession          no such session (or it expired)            -> 404
     │   └── OutOfOrder              a valid message at the wrong time          -> 409
+    │       ├── NotAligned          training or resuming before any alignment  -> 409
     │       ├── NotReady            the answer is still being computed; retry  -> 409
     │       ├── Behind              the party is behind (restored from a checkpoint) -> 409
     │       └── BudgetExhausted     the release would pass the privacy budget  -> 409
@@ -20,7 +21,8 @@ The tree::
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
     │   └── AlignmentMismatch       the two sides computed different results
     └── PeerError                   a peer failed, dropped or refused us       -> 502
-        └── PeerUnavailable         no answer at all (refused, reset, timed out): retry
+        ├── PeerUnavailable         no answer at all (refused, reset, timed out): retry
+        └── PeerUntrusted           the TLS handshake failed: a certificate not of this partnership
 
 Core code raises these; the app factory (``parties.app``) maps them to HTTP
 status codes, and the CLIs print their message and exit non-zero.
@@ -41,11 +43,13 @@ __all__ = [
     "Forbidden",
     "HijackSuspected",
     "IntersectionTooSmall",
+    "NotAligned",
     "NotReady",
     "OutOfOrder",
     "PayloadTooLarge",
     "PeerError",
     "PeerUnavailable",
+    "PeerUntrusted",
     "ProtocolError",
     "UnknownSession",
 ]
@@ -87,6 +91,10 @@ class UnknownSession(ProtocolError):
 
 class OutOfOrder(ProtocolError):
     status_code = 409
+
+
+class NotAligned(OutOfOrder):
+    """Training needs the customers aligned first."""
 
 
 class NotReady(OutOfOrder):
@@ -131,3 +139,7 @@ class PeerError(CutlayerError):
 
 class PeerUnavailable(PeerError):
     pass
+
+
+class PeerUntrusted(PeerError):
+    """The peer answered, but the TLS handshake failed: retrying will not help."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import signal
 import socket
 import ssl
 import threading
@@ -25,6 +27,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from parties.errors import ConfigError
 from parties.files import atomic_write_text
 from parties.hotpath import HotExchange, HotPath
 from parties.tls import TLSFiles, peer_identity
@@ -193,13 +196,32 @@ class _ThreadHTTPProtocol(PeerCertHTTPProtocol):
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening-ready socket; port 0 lets the OS pick a free one."""
+    """A listening-ready socket; port 0 lets the OS pick a free one.
+
+    A port that is taken, an address not on this machine or a port that needs
+    privileges is a :class:`ConfigError` that says which flag to change.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(_bind_failure(host, port, exc)) from exc
     sock.set_inheritable(True)
     return sock
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: port {port} is already in use; choose another with --port (--port 0 takes any free port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine; check --host"
+    if exc.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges; choose another with --port"
+    return f"{where}: {exc.strerror or exc}"
 
 
 def build_server(
@@ -237,6 +259,15 @@ def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path
     server = build_server(app, tls, log_level="info")
     scheme = "https" if tls is not None else "http"
     url = f"{scheme}://{host}:{sock.getsockname()[1]}"
+
+    # Ctrl-C reaches every process of the terminal's group. uvicorn shuts down on it and then raises it
+    # again for the handler it found installed; with ours there (not Python's default, which asyncio's
+    # runner would turn into a KeyboardInterrupt through the lifespan task), a stop is an orderly exit.
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
     async def main() -> None:
         async def announce() -> None:

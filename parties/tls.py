@@ -31,6 +31,7 @@ __all__ = [
     "Role",
     "TLSFiles",
     "client_ssl_context",
+    "handshake_failure",
     "peer_identity",
     "server_ssl_context",
     "write_dev_pki",
@@ -210,3 +211,27 @@ def peer_identity(peercert: Mapping[str, Any] | None) -> PeerIdentity | None:
     if not name or role not in ROLES:
         return None
     return PeerIdentity(name=name, role=role)
+
+
+def handshake_failure(exc: BaseException) -> str | None:
+    """What went wrong in a failed TLS handshake behind ``exc``, in a party's words; ``None`` if none did.
+
+    A handshake that fails on a certificate is an answer, not silence: the peer
+    is there, but one side does not trust the other, and retrying changes nothing.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            detail = current.verify_message or current.reason or "verification failed"
+            if current.verify_code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
+                return f"its certificate is not issued for this host name or address ({detail})"
+            return f"its certificate is not from this partnership's CA ({detail})"
+        if isinstance(current, ssl.SSLError):
+            reason = (current.reason or "").upper()
+            if any(alert in reason for alert in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED",
+                                                 "CERTIFICATE_UNKNOWN", "DECRYPT_ERROR")):
+                return f"it refused our certificate: ours is not from the CA it trusts ({current.reason})"
+        current = current.__cause__ or current.__context__
+    return None

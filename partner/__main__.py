@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from alignment.parallel import start_fork_server
 from parties.cli import (
     add_service_arguments,
     apply_process_settings,
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.insecure:
         logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
     table = load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)
+    start_fork_server(settings.workers)
     serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0
 
