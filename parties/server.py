@@ -224,6 +224,21 @@ def _bind_failure(host: str, port: int, exc: OSError) -> str:
     return f"{where}: {exc.strerror or exc}"
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a second Ctrl-C during the (bounded) shutdown does not skip the app's own.
+
+    uvicorn treats a repeated signal as "force exit": it drops the lifespan shutdown, so the party's
+    worker processes and files are not closed, and logs the cancelled lifespan as an error. People
+    press Ctrl-C twice; the graceful shutdown is already bounded by ``timeout_graceful_shutdown``.
+    """
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            logger.info("already shutting down (at most %ss)", self.config.timeout_graceful_shutdown)
+            return
+        super().handle_exit(sig, frame)
+
+
 def build_server(
     app: Any, tls: TLSFiles | None, *, log_level: str = "warning", own_process: bool = True
 ) -> uvicorn.Server:
@@ -250,7 +265,7 @@ def build_server(
         timeout_graceful_shutdown=5,
         **kwargs,
     )
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
