@@ -109,5 +109,7 @@ def score_customers(
     out["status"] = [s.strip().rstrip(";") if s != "scored" else s for s in status]
     if allow_missing:
         out.loc[~complete, "status"] = "scored without: " + out.loc[~complete, "status"].str.replace("not held by ", "")
-    say(f"scored {int(complete.sum())} of {n}", 1.0)
+    scored = n if allow_missing else int(complete.sum())
+    fallback = f" ({n - int(complete.sum())} without every partner)" if allow_missing and not complete.all() else ""
+    say(f"scored {scored} of {n}{fallback}", 1.0)
     return out

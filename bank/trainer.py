@@ -44,6 +44,10 @@ __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batc
 
 logger = logging.getLogger(__name__)
 
+#: The share of a training job's progress the training steps take; finishing (best weights, model
+#: files, the test rows) takes the rest, so a bar reaches its end only when the job has.
+TRAINING_SHARE = 0.95
+
 ProgressFn = Callable[[str, float], None]
 
 
@@ -275,6 +279,7 @@ class Coordinator:
                     loop = self._rollback(loop, optimizer, exc)
                 except PeerUnavailable as exc:
                     raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc
+            self.progress("finishing: the best epoch's weights, the model files, the test rows", TRAINING_SHARE)
             restore = self.config.restore_best and loop.best_top is not None
             if restore:
                 top.load_state_dict(loop.best_top)
@@ -308,7 +313,8 @@ class Coordinator:
         metric, mode = self.task.objective
         better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
         steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
-        total_steps = min(self.config.max_steps or 1 << 62, steps_per_epoch * self.config.epochs)
+        # Each epoch ends with a flush step, which ``loop.step`` counts as well.
+        total_steps = min(self.config.max_steps or 1 << 62, (steps_per_epoch + 1) * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
         top_params = list(top.parameters())
         unsaved = False  # a checkpoint is due for the last step
@@ -359,7 +365,7 @@ class Coordinator:
                 if loop.step % 20 == 0 or loop.step >= total_steps:
                     self.progress(
                         f"epoch {loop.epoch + 1}/{self.config.epochs} step {loop.step} loss {np.mean(loop.losses):.4f}",
-                        min(loop.step / total_steps, 1.0),
+                        TRAINING_SHARE * min(loop.step / total_steps, 1.0),
                     )
             if not loop.flushed:
                 checkpoint = self._is_checkpoint(loop.step, flush=True)

@@ -66,6 +66,7 @@ class JobRunner:
             job.state = "running"
             try:
                 job.result = work(say)
+                job.fraction = 1.0
                 job.state = "succeeded"
             except CutlayerError as exc:
                 job.error, job.state = str(exc), "failed"

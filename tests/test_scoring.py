@@ -72,8 +72,13 @@ def test_scoring_a_file_of_known_and_unknown_customers(trained, tmp_path: Path) 
     assert len(joined) == 40
     assert np.allclose(joined["score_run"], joined["score_scored"], atol=1e-6)
 
-    allowed = op.wait(job := op.start_scoring(result["session"], path.read_bytes(), allow_missing=True))
-    assert allowed["scored"] == len(expected)
+    progress: list[str] = []
+    job = op.start_scoring(result["session"], path.read_bytes(), allow_missing=True)
+    allowed = op.wait(job, on_progress=lambda status: progress.append(status.progress))
+    lacking = sum(kind == "lacking" for kind in expected.values())
+    assert allowed["scored"] == len(expected) and allowed["scored_without"] == {"partner": lacking}
+    # What the bar last said is what the summary says, fallbacks counted.
+    assert progress[-1] == f"scored {len(expected)} of {len(expected)} ({lacking} without every partner)"
     relaxed = pd.read_csv(io.BytesIO(op.scores(job.job_id)))
     assert relaxed["score"].notna().all() and relaxed["status"].str.startswith("scored").all()
 

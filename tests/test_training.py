@@ -17,7 +17,7 @@ from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
 from parties.dataset import AlignedRows, load_party_table
-from parties.errors import PeerError
+from parties.errors import NotAligned, PeerError
 from parties.model import BottomConfig
 from parties.tls import TLSFiles
 from tests.training_helpers import federation, saved, state_equal
@@ -88,21 +88,34 @@ def test_early_stopping_keeps_the_best_epoch(tmp_path: Path) -> None:
     assert outcome.best_epoch == int(np.argmax(aucs)) + 1
 
 
+def test_progress_reaches_its_end_only_when_training_has(tmp_path: Path) -> None:
+    labels = (np.random.default_rng(2).random(400) < 0.3).astype(int).astype(str).tolist()
+    coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=3, patience=5, batch_size=32)
+    calls: list[tuple[str, float | None]] = []
+    coordinator.progress = lambda message, fraction=None: calls.append((message, fraction))
+    coordinator.run()
+    fractions = [f for _, f in calls if f is not None]
+    assert fractions == sorted(fractions) and max(fractions) < 1  # the job sets 1.0 when it has ended
+    assert calls[-1][0].startswith("finishing")  # the flush, validation and test rows come after the steps
+    assert any(m.startswith("epoch ") for m, _ in calls)
+
+
 def test_training_through_the_bank_service(pki, bank_full, tmp_path, start_partner, start_bank) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
     partner = start_partner(paths["partner"])
     bank = start_bank(paths["bank"], {"partner": partner.url})
     with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
-        with pytest.raises(PeerError, match="HTTP 409.*no alignment yet"):
+        with pytest.raises(NotAligned, match="run `python -m bank align` first"):
             op.start_training(TrainingConfig(epochs=1))
         op.wait(op.start_alignment())
         seen = []
         result = op.wait(op.start_training(TrainingConfig(epochs=2, batch_size=64)), on_progress=seen.append)
+        assert op.job(seen[-1].job_id).fraction == 1.0  # the bar's end is the job's end
         with pytest.raises(PeerError, match=r"HTTP 400\): unknown partners \['nobody'\]"):
             op.start_training(TrainingConfig(partners=["nobody"]))
     run_dir = Path(result["run_dir"])
     assert {"config.json", "metrics.json", "history.csv", "test_predictions.csv", "split.csv"} <= {p.name for p in run_dir.iterdir()}
-    assert any(0 < (j.fraction or 0) <= 1 for j in seen)
+    assert any(0 < (j.fraction or 0) < 1 for j in seen)
     predictions = pd.read_csv(run_dir / "test_predictions.csv")
     assert len(predictions) == result["rows"]["test"] and predictions["score"].between(0, 1).all()
     assert not list(run_dir.rglob("*.pt")) and not list(run_dir.rglob("*.pkl"))
