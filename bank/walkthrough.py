@@ -49,7 +49,9 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
     partners = [n for n in paths if n != "bank"]
     services = []
     for i, name in enumerate(partners):
-        args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i + 1),
+        # Partner i's bottom model starts from seed i: the first partner's is `partner serve`'s default, so
+        # the README's by-hand flow trains the walkthrough's model bit for bit.
+        args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i),
                 *config.partner_args]
         services.append(ServiceProcess("partner", args + common, out / name / "ready.json", out / "logs" / f"{name}.log"))
     try:
