@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--log-level", default="WARNING")
 
     r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
-    r.add_argument("run", type=Path, nargs="?", default=None, help="run folder (default: the latest under runs/)")
+    r.add_argument("run", type=Path, nargs="?", default=None,
+                   help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
     r.add_argument("--log-level", default="WARNING")
 
