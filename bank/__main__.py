@@ -264,7 +264,7 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
               f"(minimum {comm['minimum_bytes_per_step'] / 1024:.1f} KiB: embedding + gradient)")
     print("\nModel files (each party wrote its own):")
     for name, path in summary["model_files"].items():
-        print(f"  {name:<10}{path}")
+        print(f"  {name:<10}{out / path}")
     print(f"\nwall time: {summary['wall_seconds']} s")
 
 

@@ -58,11 +58,35 @@ class Run:
 
     @property
     def bank_run_dir(self) -> Path:
-        return Path(self.summary.get("bank_run_dir", self.path))
+        """The bank's own run folder (the walkthrough keeps it under ``bank/runs/<session>``)."""
+        stored = self.summary.get("bank_run_dir")
+        return self.path if stored is None else self._stored_path(stored)
 
     @property
     def audit_dir(self) -> Path:
         return self.bank_run_dir / "audit"
+
+    def model_dir(self, party: str) -> Path:
+        """The folder holding ``party``'s model files (the bank's: its top model, its bottom under ``bank/``)."""
+        stored = self.summary.get("model_files", {}).get(party)
+        if stored is not None:
+            return self._stored_path(stored)
+        if party == "bank":
+            return self.bank_run_dir / "model"
+        return self.path / party / "models" / self.metrics["session"]
+
+    def _stored_path(self, value: str) -> Path:
+        """A path ``summary.json`` names, relative to the run folder.
+
+        Older summaries stored paths as the walkthrough saw them: absolute, or
+        relative to its working directory, which is usually a folder above the
+        run (``runs/<stamp>/...``). Those are accepted where they exist.
+        """
+        stored = Path(value)
+        if stored.is_absolute():
+            return stored
+        candidates = [self.path / stored, stored, *(folder / stored for folder in self.path.resolve().parents)]
+        return next((c for c in candidates if c.exists()), self.path / stored)
 
 
 def _upward(start: Path | None) -> list[Path]:
@@ -230,6 +254,8 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
     if references:
         tables["comparison"] = reference_models(run, seed=seed)
         figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+    if audit and run.config.get("audit") and not run.audit_dir.exists():
+        raise DataError(f"{run.audit_dir}: missing, though the run was trained with --audit")
     if audit and run.audit_dir.exists():
         tables["label_leakage"] = label_leakage(run)
         tables["inversion"] = inversion_probe(run, seed=seed)

@@ -35,6 +35,15 @@ def fake_run(folder: Path, *, summary: dict[str, object] | None = None, audit: b
     return folder
 
 
+def walkthrough_layout(folder: Path, summary: dict[str, object] | None = None) -> Path:
+    """A run folder laid out as the walkthrough writes it: the bank's run and a partner's model inside."""
+    run = fake_run(folder, summary=summary, audit=True)
+    (run / "bank" / "runs" / SESSION / "audit").mkdir(parents=True)
+    (run / "bank" / "runs" / SESSION / "model").mkdir()
+    (run / "partner" / "models" / SESSION).mkdir(parents=True)
+    return run
+
+
 def set_mtime(run: Path, seconds: float) -> None:
     os.utime(run / "metrics.json", (seconds, seconds))
 
@@ -94,6 +103,49 @@ def test_a_relative_run_path_that_is_nowhere_says_where_it_looked(project: Path,
     monkeypatch.chdir(project / "notebooks")
     with pytest.raises(DataError, match=f"runs/half: no run folder .* in {project / 'notebooks'} or any folder above"):
         load_run("runs/half")
+
+
+def test_the_paths_a_summary_stores_resolve_inside_the_run_folder_wherever_it_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = {"bank_run_dir": f"bank/runs/{SESSION}",
+               "model_files": {"bank": f"bank/runs/{SESSION}/model", "partner": f"partner/models/{SESSION}"}}
+    run = walkthrough_layout(tmp_path / "elsewhere" / "moved", summary)
+    monkeypatch.chdir(tmp_path)
+    loaded = load_run("elsewhere/moved")
+    assert loaded.bank_run_dir == run / "bank" / "runs" / SESSION
+    assert loaded.audit_dir == run / "bank" / "runs" / SESSION / "audit"
+    assert loaded.model_dir("bank") == run / "bank" / "runs" / SESSION / "model"
+    assert loaded.model_dir("partner") == run / "partner" / "models" / SESSION
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["cwd-relative", "absolute"])
+def test_an_older_summary_with_paths_as_the_walkthrough_saw_them_still_resolves(
+        tmp_path: Path, absolute: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before run folders were relocatable: paths relative to the walkthrough's cwd (the project), or absolute.
+    project = tmp_path / "project"
+    prefix = f"{project}/runs/old" if absolute else "runs/old"
+    summary = {"bank_run_dir": f"{prefix}/bank/runs/{SESSION}",
+               "model_files": {"bank": f"{prefix}/bank/runs/{SESSION}/model", "partner": f"{prefix}/partner/models/{SESSION}"}}
+    run = walkthrough_layout(project / "runs" / "old", summary)
+    (project / "notebooks").mkdir()
+    monkeypatch.chdir(project / "notebooks")  # where Jupyter starts the kernel
+    loaded = load_run()
+    assert loaded.audit_dir == run / "bank" / "runs" / SESSION / "audit"
+    assert loaded.model_dir("partner") == run / "partner" / "models" / SESSION
+
+
+def test_a_run_without_a_summary_is_its_own_bank_run(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "bank-run")  # what `python -m bank train` leaves in the bank's state folder
+    loaded = load_run(run)
+    assert loaded.bank_run_dir == run and loaded.audit_dir == run / "audit"
+    assert loaded.model_dir("bank") == run / "model"
+    assert loaded.model_dir("partner") == run / "partner" / "models" / SESSION
+
+
+def test_an_audited_run_whose_audit_files_are_not_found_is_an_error_not_a_run_without_audit(tmp_path: Path) -> None:
+    run = walkthrough_layout(tmp_path / "run", {"bank_run_dir": "bank/runs/elsewhere"})
+    with pytest.raises(DataError, match="missing, though the run was trained with --audit"):
+        write_report(load_run(run), references=False)
 
 
 def test_report_from_a_folder_below_finds_the_latest_run(
