@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(sc)
 
     r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
-    r.add_argument("run", type=Path, nargs="?", default=None, help="run folder (default: the latest under runs/)")
+    r.add_argument("run", type=Path, nargs="?", default=None,
+                   help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
     _add_log_level(r)
 
@@ -347,7 +348,7 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
               f"(minimum {comm['minimum_bytes_per_step'] / 1024:.1f} KiB: embedding + gradient)")
     print("\nModel files (each party wrote its own):")
     for name, path in summary["model_files"].items():
-        print(f"  {name:<10}{path}")
+        print(f"  {name:<10}{out / path}")
     print(f"\nwall time: {summary['wall_seconds']} s")
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "learning_curves",
     "load_run",
     "party_times",
+    "resolve_run",
     "roc_pr_curves",
     "write_report",
 ]
@@ -57,19 +58,72 @@ class Run:
 
     @property
     def bank_run_dir(self) -> Path:
-        return Path(self.summary.get("bank_run_dir", self.path))
+        """The bank's own run folder (the walkthrough keeps it under ``bank/runs/<session>``)."""
+        stored = self.summary.get("bank_run_dir")
+        return self.path if stored is None else self._stored_path(stored)
 
     @property
     def audit_dir(self) -> Path:
         return self.bank_run_dir / "audit"
 
+    def model_dir(self, party: str) -> Path:
+        """The folder holding ``party``'s model files (the bank's: its top model, its bottom under ``bank/``)."""
+        stored = self.summary.get("model_files", {}).get(party)
+        if stored is not None:
+            return self._stored_path(stored)
+        if party == "bank":
+            return self.bank_run_dir / "model"
+        return self.path / party / "models" / self.metrics["session"]
 
-def latest_run(root: Path = Path("runs")) -> Path:
-    """The most recently written run folder under ``root``."""
-    candidates = sorted(Path(root).glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise DataError(f"no run under {root}: run `python -m bank walkthrough` first")
-    return candidates[-1].parent
+    def _stored_path(self, value: str) -> Path:
+        """A path ``summary.json`` names, relative to the run folder.
+
+        Older summaries stored paths as the walkthrough saw them: absolute, or
+        relative to its working directory, which is usually a folder above the
+        run (``runs/<stamp>/...``). Those are accepted where they exist.
+        """
+        stored = Path(value)
+        if stored.is_absolute():
+            return stored
+        candidates = [self.path / stored, stored, *(folder / stored for folder in self.path.resolve().parents)]
+        return next((c for c in candidates if c.exists()), self.path / stored)
+
+
+def _upward(start: Path | None) -> list[Path]:
+    """``start`` (default: the working directory) and every folder above it, nearest first."""
+    here = Path.cwd() if start is None else Path(start).resolve()
+    return [here, *here.parents]
+
+
+def latest_run(root: Path | str = "runs", start: Path | None = None) -> Path:
+    """The most recently written run folder under ``root``.
+
+    A relative ``root`` is looked up as git looks up its repository: in
+    ``start`` (default: the working directory), else in the nearest folder
+    above that has a run under it. Jupyter starts a kernel in the notebook's
+    folder, not where ``python -m bank walkthrough`` wrote ``runs/``.
+    """
+    root = Path(root)
+    upward = _upward(start)
+    for folder in [root] if root.is_absolute() else [folder / root for folder in upward]:
+        candidates = sorted(folder.glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
+        if candidates:
+            return candidates[-1].parent
+    where = root if root.is_absolute() else f"{root}/ in {upward[0]} or any folder above it"
+    raise DataError(f"no run under {where}: run `python -m bank walkthrough` first")
+
+
+def resolve_run(path: Path | str, start: Path | None = None) -> Path:
+    """The run folder ``path`` names: as is if absolute; else ``path`` under ``start`` (default: the
+    working directory) or under the nearest folder above it where it is a run folder (holds ``metrics.json``)."""
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    upward = _upward(start)
+    for folder in upward:
+        if (folder / path / "metrics.json").is_file():
+            return (folder / path).resolve()
+    raise DataError(f"{path}: no run folder (one with metrics.json) of that name in {upward[0]} or any folder above it")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -79,9 +133,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise DataError(f"{path}: missing; is {path.parent} a run folder?") from exc
 
 
-def load_run(path: Path | str | None = None, root: Path = Path("runs")) -> Run:
-    """Read a run folder (default: the latest under ``runs/``)."""
-    folder = Path(path) if path is not None else latest_run(root)
+def load_run(path: Path | str | None = None, root: Path | str = "runs") -> Run:
+    """Read a run folder (default: the latest under ``runs/`` here or above); see ``resolve_run``."""
+    folder = resolve_run(path) if path is not None else latest_run(root)
     summary_path = folder / "summary.json"
     return Run(
         path=folder,
@@ -200,6 +254,8 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
     if references:
         tables["comparison"] = reference_models(run, seed=seed)
         figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+    if audit and run.config.get("audit") and not run.audit_dir.exists():
+        raise DataError(f"{run.audit_dir}: missing, though the run was trained with --audit")
     if audit and run.audit_dir.exists():
         tables["label_leakage"] = label_leakage(run)
         tables["inversion"] = inversion_probe(run, seed=seed)

@@ -116,7 +116,7 @@ def inversion_probe(run: Run, seed: int = 0, aux_fraction: float = 0.5) -> pd.Da
             raise DataError(f"{path}: missing; train with audit on (`--audit`)")
         record = load_file(str(path))
         positions, embedding = record["rows"], record["embedding"]
-        encoder_file = run.path / partner / "models" / run.metrics["session"] / "encoder.json"
+        encoder_file = run.model_dir(partner) / "encoder.json"
         names = TabularEncoder.from_dict(json.loads(encoder_file.read_text())).feature_names()
         out += inversion_rows(partner, embedding, features[partner][positions], features["bank"][positions], names,
                               seed, aux_fraction)

@@ -74,8 +74,7 @@ def _scores(name: str, features: str, y: np.ndarray, s: np.ndarray) -> dict[str,
 
 
 def _partner_bottom(run: Run, name: str) -> BottomConfig:
-    folder = run.path / name / "models" / run.metrics["session"]
-    return BottomConfig.model_validate_json((folder / "bottom-config.json").read_text())
+    return BottomConfig.model_validate_json((run.model_dir(name) / "bottom-config.json").read_text())
 
 
 def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:

@@ -67,6 +67,14 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
         raise
 
 
+def _inside(out: Path, path: Path) -> str:
+    """``path`` relative to the run folder ``out`` (absolute if it lies elsewhere)."""
+    try:
+        return path.resolve().relative_to(out.resolve()).as_posix()
+    except ValueError:
+        return str(path.resolve())
+
+
 def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
     """Run every step; return (and write to ``OUT/summary.json``) what happened."""
     out = config.out
@@ -115,10 +123,11 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
         "best_epoch": result["best_epoch"],
         "epochs_run": result["epochs_run"],
         "communication": result["communication"],
-        "bank_run_dir": str(run_dir),
+        # Paths inside the run folder are stored relative to it, so the folder can move.
+        "bank_run_dir": _inside(out, run_dir),
         "model_files": {
-            "bank": str(run_dir / "model"),
-            **{n: str(out / n / "models" / result["session"]) for n in paths if n != "bank"},
+            "bank": _inside(out, run_dir / "model"),
+            **{n: _inside(out, out / n / "models" / result["session"]) for n in paths if n != "bank"},
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
     }

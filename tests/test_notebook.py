@@ -1,45 +1,115 @@
-"""The analysis notebook runs headless against a small audited run, and its tables hold sane values."""
+"""The analysis notebook, run as the README says, finds the latest run and shows its audit; its tables hold sane values.
+
+One small audited walkthrough serves every test here: it runs in a project folder
+without ``--out`` (so it writes ``runs/<stamp>/``), and the notebook is then
+executed by ``jupyter nbconvert`` with the kernel in ``notebooks/``, where
+Jupyter starts it, and no ``CUTLAYER_RUN``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import nbclient
 import nbformat
 import numpy as np
 import pandas as pd
 import pytest
 
+from bank.analysis import load_run
+from bank.audit import label_leakage
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 
 
 @pytest.fixture(scope="module")
-def audited_run(bank_full: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("audited") / "run"
+def project(bank_full: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project folder holding the notebook, where the walkthrough ran as the README says."""
+    project = tmp_path_factory.mktemp("project")
+    (project / "notebooks").mkdir()
+    shutil.copy(NOTEBOOK, project / "notebooks" / NOTEBOOK.name)
     result = subprocess.run(
-        [sys.executable, "-m", "bank", "walkthrough", "--out", str(out), "--rows", "5000", "--epochs", "4",
-         "--audit", "--cache-dir", str(bank_full.parent), "--no-download", "--workers", "1"],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "bank", "walkthrough", "--rows", "5000", "--epochs", "4", "--audit",
+         "--cache-dir", str(bank_full.parent), "--no-download", "--workers", "1"],
+        capture_output=True, text=True, timeout=600, cwd=project,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return project
 
 
-def test_the_notebook_executes_and_writes_its_tables_and_figures(audited_run: Path, bank_full: Path, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def audited_run(project: Path) -> Path:
+    (run,) = (project / "runs").iterdir()
+    return run
+
+
+@pytest.fixture(scope="module")
+def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.NotebookNode:
+    """The notebook after ``jupyter nbconvert --to notebook --execute notebooks/analysis.ipynb`` from the project."""
     from bank.privacy_study import hijack_rates, run_study
 
-    study = audited_run / "privacy"
+    study = audited_run / "privacy"  # section 5 reads a privacy study kept in the run folder
     run_study(study, rows=4000, epochs=4, cache=bank_full.parent, download=False)
     hijack_rates(study, runs=2, rows=2000, cache=bank_full.parent, download=False)
-    monkeypatch.setenv("CUTLAYER_RUN", str(audited_run))
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    env = {k: v for k, v in os.environ.items() if k != "CUTLAYER_RUN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "notebooks/analysis.ipynb",
+         "--ExecutePreprocessor.timeout=600"],
+        capture_output=True, text=True, timeout=900, cwd=project, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return nbformat.read(project / "notebooks" / "analysis.nbconvert.ipynb", as_version=4)
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    """What a code cell showed: its printed text and its displayed tables, as text."""
+    parts = []
+    for output in cell.get("outputs", []):
+        parts.append(output.get("text", ""))
+        parts.append(output.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+def test_the_notebook_as_the_readme_runs_it_finds_the_latest_run_and_shows_its_audit(
+        executed: nbformat.NotebookNode, audited_run: Path) -> None:
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    assert f"run folder: {audited_run}" in _text(code[0])
+    (audit_cell,) = [c for c in code if "label_leakage" in c.source]
+    shown = _text(audit_cell)
+    assert "without --audit" not in shown
+    assert "norm_leak_auc" in shown and "direction_leak_auc" in shown  # the label-leakage table
+    assert "advantage" in shown  # the inversion table
+    assert any("image/png" in o.get("data", {}) for o in audit_cell.outputs)  # the leakage figure
+
+
+def test_a_moved_run_folder_is_read_from_where_it_now_lies(
+        audited_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    moved = tmp_path / "archive" / "moved-run"
+    shutil.copytree(audited_run, moved)
+    summary = json.loads((moved / "summary.json").read_text())
+    assert not any(Path(p).is_absolute() for p in [summary["bank_run_dir"], *summary["model_files"].values()])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # neither the project nor the archive: found one folder up
+    run = load_run("archive/moved-run")
+    session = run.metrics["session"]
+    assert run.audit_dir == moved.resolve() / "bank" / "runs" / session / "audit"
+    assert run.model_dir("bank") == moved.resolve() / "bank" / "runs" / session / "model"
+    assert run.model_dir("partner") == moved.resolve() / "partner" / "models" / session
+    assert (run.model_dir("bank") / "top.safetensors").exists()
+    assert (run.model_dir("partner") / "encoder.json").exists()
+    assert len(label_leakage(run)) == 5  # the audit reads the moved folder's files
+
+
+def test_the_notebook_executes_and_writes_its_tables_and_figures(
+        executed: nbformat.NotebookNode, audited_run: Path) -> None:
+    study = audited_run / "privacy"
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
-    images = sum(1 for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
+    images = sum(1 for c in executed.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
     assert images == 5
 
     analysis = audited_run / "analysis"

@@ -37,7 +37,11 @@ def test_walkthrough_runs_end_to_end_with_separate_processes(bank_full: Path, tm
 
     # Each party wrote its own model files, under its own state folder.
     session = metrics["session"]
-    bank_model = Path(summary["bank_run_dir"]) / "model"
+    # The summary's paths lie inside the run folder, relative to it: the folder can move.
+    assert summary["bank_run_dir"] == f"bank/runs/{session}"
+    assert summary["model_files"] == {"bank": f"bank/runs/{session}/model",
+                                      **{n: f"{n}/models/{session}" for n in names}}
+    bank_model = out / summary["bank_run_dir"] / "model"
     assert load_file(str(bank_model / "bank" / "bottom.safetensors")) and (bank_model / "top.safetensors").exists()
     for name in names:
         folder = out / name / "models" / session
