@@ -78,7 +78,21 @@ def _partner_bottom(run: Run, name: str) -> BottomConfig:
 
 
 def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:
-    """The run's own architecture and schedule, trained in one process with the same early stopping."""
+    """The run's own architecture and schedule, trained in one process with the same early stopping.
+
+    On one intra-op thread, as every party computes by default (``--torch-threads 1``): with more,
+    torch splits some reductions differently, the last bits differ, and after a few hundred steps
+    so does the model; with one, it is the split model bit for bit.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_unsplit(run, features, targets, splits)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:
     config = run.config
     bottoms = {"bank": BottomConfig.model_validate(config["bank_bottom"])}
     bottoms |= {n: _partner_bottom(run, n) for n in features if n != "bank"}
