@@ -1,0 +1,122 @@
+"""The README is true: its first lines install and run, its by-hand flow trains the walkthrough's model."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def _commands(block: str) -> list[list[str]]:
+    """The block's commands as argv lists: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))]
+
+
+def test_the_readme_opens_with_a_venv_the_install_and_the_two_commands() -> None:
+    first = _bash_blocks(README)[0]
+    assert README.index(first) < README.index("## ")  # before any section
+    lines = [" ".join(argv) for argv in _commands(first)]
+    assert lines[0].startswith("python3 -m venv .venv") and ". .venv/bin/activate" in lines[0]
+    assert lines[1] == "pip install torch==2.13.0 && pip install -e .[test]"
+    assert lines[2:] == ["python -m bank walkthrough", "python -m pytest"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "torch==2.13.0" in ci and "'.[test]'" in ci
+    assert ci.strip().splitlines()[-1] == "python -m pytest"  # CI runs the README's test command
+
+
+def test_the_by_hand_flow_writes_nothing_git_would_pick_up(tmp_path: Path) -> None:
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    for path in ("demo/certs/ca.key", "demo/state/bank/runs/x/model/top.safetensors"):
+        check = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert check.returncode == 0, f"{path}: demo/ (with the development CA's private key) is not ignored by git"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _by_hand_block() -> str:
+    section = README[README.index("## The same flow by hand"):]
+    return _bash_blocks(section)[0]
+
+
+def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Path, tmp_path: Path) -> None:
+    """Run the README's by-hand commands as written (on a slice, fewer epochs, free ports), then the walkthrough
+    with the same slice and epochs: every weight of every party and every test score must be equal."""
+    rows, epochs = "3000", "2"
+    ports = {"8443": str(_free_port()), "8444": str(_free_port())}
+    small = {("data", "bank-marketing"): ["--rows", rows, "--cache-dir", str(bank_full.parent), "--no-download"],
+             ("bank", "train"): ["--epochs", epochs]}
+    services: list[subprocess.Popen[bytes]] = []
+    train_output = ""
+    try:
+        for argv in _commands(_by_hand_block()):
+            assert argv[:2] == ["python", "-m"], argv
+            argv = [sys.executable, "-m", *(re.sub(r"\b(8443|8444)\b", lambda m: ports[m.group(1)], a) for a in argv[2:])]
+            module, command = argv[2], argv[3]
+            argv += small.get((module, command), [])
+            if command == "serve":
+                ready = tmp_path / f"{module}.ready"
+                log = (tmp_path / f"{module}.log").open("wb")
+                services.append(subprocess.Popen([*argv, "--workers", "1", "--ready-file", str(ready)], cwd=tmp_path,
+                                                 stdout=log, stderr=subprocess.STDOUT))
+                deadline = time.monotonic() + 120
+                while not ready.exists():
+                    assert services[-1].poll() is None, (tmp_path / f"{module}.log").read_text()[-3000:]
+                    assert time.monotonic() < deadline, f"{module} did not start"
+                    time.sleep(0.05)
+                continue
+            run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+            if (module, command) == ("bank", "train"):
+                train_output = run.stdout
+    finally:
+        for proc in services:
+            proc.terminate()
+            proc.wait(30)
+
+    model_id = re.search(r"^model id: (\w+)$", train_output, flags=re.M)
+    assert model_id, f"train did not print the model id:\n{train_output}"
+    assert f"--model {model_id.group(1)}" in train_output  # and the next command to run
+    by_hand_run = tmp_path / "demo" / "state" / "bank" / "runs" / model_id.group(1)
+    by_hand_partner = tmp_path / "demo" / "state" / "partner" / "models" / model_id.group(1)
+
+    out = tmp_path / "walkthrough"
+    run = subprocess.run(
+        [sys.executable, "-m", "bank", "walkthrough", "--out", str(out), "--rows", rows, "--epochs", epochs,
+         "--cache-dir", str(bank_full.parent), "--no-download", "--workers", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    session = next((out / "partner" / "models").iterdir()).name
+    walkthrough_run = out / "bank" / "runs" / session
+
+    pairs = [(by_hand_run / "model" / f, walkthrough_run / "model" / f)
+             for f in ("top.safetensors", "bank/bottom.safetensors")]
+    pairs.append((by_hand_partner / "bottom.safetensors", out / "partner" / "models" / session / "bottom.safetensors"))
+    for a, b in pairs:
+        ta, tb = load_file(str(a)), load_file(str(b))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f"{a.name} differs"
+    pd.testing.assert_frame_equal(pd.read_csv(by_hand_run / "test_predictions.csv"),
+                                  pd.read_csv(walkthrough_run / "test_predictions.csv"), check_exact=True)
