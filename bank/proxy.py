@@ -14,11 +14,12 @@ import logging
 import time
 
 from collections.abc import Callable
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 import httpx
 import numpy as np
 import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
 
 from alignment.session import SessionInfo
 from parties.channel import Channel
@@ -96,27 +97,32 @@ class TrainingParty(Protocol):
         """Restore the best weights if asked and write the party's model files; the session stays open."""
         ...
 
-    def end(self) -> None:
-        """Close the session (after success or failure)."""
+    def end(self, wait: bool = True) -> None:
+        """Close the session (after success or failure); ``wait=False``: one attempt, no retries."""
         ...
 
 
-__all__ = ["HttpPartner", "TrainingParty", "retrying"]
-
-
-def retrying(party: TrainingParty, call: Callable[[], Any]) -> Any:
-    """A control call to a party that may still be restarting: retried until the party's deadline."""
-    deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
-    while True:
-        try:
-            return call()
-        except PeerUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
+__all__ = ["HttpPartner", "TrainingParty", "retry_policy"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None] | None = None) -> Retrying:
+    """The one retry policy for calls to a party that may be restarting.
+
+    Only ``PeerUnavailable`` (no answer at all) is retried: every call the
+    policy wraps is idempotent, so sending it again is safe. Backoff doubles
+    from 50 ms to 2 s; no attempt starts after ``deadline`` seconds.
+    """
+    return Retrying(
+        retry=retry_if_exception_type(PeerUnavailable),
+        stop=stop_before_delay(deadline),
+        wait=wait_exponential(multiplier=0.05, min=0.05, max=2.0),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
 
 _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch}
 
@@ -236,48 +242,50 @@ class HttpPartner:
 
         return finish
 
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        """``call`` under the retry policy, until ``retry_deadline``; then a message that names the partner."""
+        def note(state: RetryCallState) -> None:
+            self.retries += 1
+            logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what,
+                           state.next_action.sleep if state.next_action else 0.0)
+
+        try:
+            return retry_policy(self.retry_deadline, note)(call)
+        except PeerUnavailable as exc:
+            raise PeerUnavailable(
+                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s: {exc}"
+            ) from exc
+
+    def _control(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
+        """An idempotent control call, retried while the partner may be restarting."""
+        return self._retried(what, lambda: self._call(method, path, what, **kwargs))
+
     def _send_tensors(
         self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
     ) -> Callable[[], bytes]:
-        """Send an idempotent message; if the partner does not answer, send it again until the deadline.
+        """Send an idempotent message now; the returned function waits for the answer, sending the
+        message again under the retry policy if the partner does not answer.
 
         Safe because the partner answers a repeated (session, step) from its
         stored response without applying anything twice.
         """
         body = encode(tensors, **meta)
-        deadline = time.monotonic() + self.retry_deadline
-
-        def attempt() -> Callable[[], bytes]:
-            delay = 0.05
-            while True:
-                try:
-                    return self._send_once(path, what, body)
-                except PeerUnavailable:
-                    delay = self._backoff(deadline, delay, what)
-
-        finish = attempt()
+        try:
+            first: Callable[[], bytes] | None = self._send_once(path, what, body)
+        except PeerUnavailable:
+            first = None
 
         def result() -> bytes:
-            nonlocal finish
-            delay = 0.05
-            while True:
+            if first is not None:
                 try:
-                    return finish()
+                    return first()
                 except PeerUnavailable:
-                    delay = self._backoff(deadline, delay, what)
-                    finish = attempt()
+                    pass
+            self.retries += 1
+            logger.warning("partner %s did not answer (%s); sending it again", self.name, what)
+            return self._retried(what, lambda: self._send_once(path, what, body)())
 
         return result
-
-    def _backoff(self, deadline: float, delay: float, what: str) -> float:
-        if time.monotonic() + delay > deadline:
-            raise PeerUnavailable(
-                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s"
-            )
-        self.retries += 1
-        logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what, delay)
-        time.sleep(delay)
-        return min(delay * 2, 2.0)
 
     def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
         return self._send_tensors(path, what, tensors, **meta)()
@@ -291,7 +299,7 @@ class HttpPartner:
         return z
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
-        response = self._call(
+        response = self._control(
             "POST", "/train/sessions", "starting training",
             content=encode({"train_rows": train_positions}, session=session_id, alignment=alignment_id),
             headers={"content-type": SAFETENSORS},
@@ -325,7 +333,7 @@ class HttpPartner:
         return self._embedding(response, rows.numel(), "an evaluation embedding")
 
     def mark_best(self) -> None:
-        self._call("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+        self._control("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
 
     def attach(self, session_id: str, width: int) -> None:
         self.session_id, self.width = session_id, width
@@ -334,7 +342,7 @@ class HttpPartner:
 
     def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
         body = LoadModelRequest(files=files, embedding_width=width).model_dump()
-        self._call("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
+        self._control("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
         self.width = width
 
     def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
@@ -343,22 +351,24 @@ class HttpPartner:
         return self._embedding(content, positions.numel(), "scoring embeddings")
 
     def privacy(self) -> PrivacyReport:
-        response = self._call("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
+        response = self._control("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
         return PrivacyReport.model_validate(response.json())
 
     def checkpoints(self) -> list[int]:
-        response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
+        response = self._control("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
         return CheckpointList.model_validate(response.json()).steps
 
     def restore(self, step: int) -> None:
         body = RestoreRequest(step=step).model_dump()
-        self._call("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
+        self._control("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
 
     def finish(self, restore_best: bool) -> ModelFiles:
         body = FinishRequest(restore_best=restore_best).model_dump()
-        response = self._call("POST", f"/train/sessions/{self.session_id}/finish", "finishing training", json=body)
+        response = self._control("POST", f"/train/sessions/{self.session_id}/finish", "finishing training",
+                                 json=body)
         return ModelFiles.model_validate(response.json())
 
-    def end(self) -> None:
+    def end(self, wait: bool = True) -> None:
         if self.session_id:
-            self._call("DELETE", f"/train/sessions/{self.session_id}", "ending training")
+            call = self._control if wait else self._call
+            call("DELETE", f"/train/sessions/{self.session_id}", "ending training")

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import torch
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
 from bank.defenses import perturb_gradient, randomized_response
-from bank.proxy import TrainingParty, retrying
+from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.task import Task
@@ -137,10 +137,17 @@ class Coordinator:
         return results
 
     def _all(self, call: Callable[[TrainingParty], Any]) -> list[Any]:
-        """``call`` on every party: the partners in threads, the bank's own in this thread meanwhile."""
+        """``call`` on every party: the partners in threads, the bank's own in this thread meanwhile.
+
+        Every call has ended before this returns or raises (the first failure): none is left
+        running into a rollback.
+        """
         own, *others = self.parties
         futures = [self._pool.submit(self._timed, p, lambda p=p: call(p)) for p in others]
-        first = self._timed(own, lambda: call(own))
+        try:
+            first = self._timed(own, lambda: call(own))
+        finally:
+            wait(futures)
         return [first, *(f.result() for f in futures)]
 
     # --- the loop --------------------------------------------------------------------------
@@ -210,13 +217,13 @@ class Coordinator:
         assert self.top is not None and self.checkpoint_dir is not None
         common = set(self._checkpoint_steps())
         for p in self.parties:
-            common &= set(retrying(p, p.checkpoints))
+            common &= set(p.checkpoints())
         if not common:
             raise PeerError(f"{cause}; and no step is checkpointed by every party, so training cannot continue")
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
         for p in self.parties:
-            retrying(p, lambda p=p: p.restore(step))
+            p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
@@ -235,7 +242,7 @@ class Coordinator:
         assert self.checkpoint_dir is not None
         self.widths = read_checkpoint(self.checkpoint_dir, steps[-1]).meta["widths"]
         for p in self.parties:
-            retrying(p, lambda p=p: p.attach(self.session_id, self.widths[p.name]))
+            p.attach(self.session_id, self.widths[p.name])
         return self._build_top()
 
     def _last_consistent(self) -> str:
@@ -264,10 +271,14 @@ class Coordinator:
             top, optimizer = self._start()
             self.top = top
             loop = LoopState(grads=[None] * len(self.parties))
+        finished = False
         try:
             while True:
+                # A party that restarted answers any call with Behind, up to the test evaluation: the
+                # weights it finished with must be the ones every party agrees on.
                 try:
                     self._train(loop, optimizer)
+                    test, scores = self._finish(loop)
                     break
                 except Behind as exc:
                     if self.checkpoint_dir is None:
@@ -275,20 +286,13 @@ class Coordinator:
                     loop = self._rollback(loop, optimizer, exc)
                 except PeerUnavailable as exc:
                     raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc
-            restore = self.config.restore_best and loop.best_top is not None
-            if restore:
-                top.load_state_dict(loop.best_top)
-            self.files = self._all(lambda p: p.finish(restore_best=restore))
-            self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
-            test, scores = self.evaluate(top, self.split.test)
-            if self.audit is not None:
-                self._record_embeddings(self.audit)
+            finished = True
         finally:
             for p in self.parties:
                 try:
-                    p.end()
-                except Exception:
-                    logger.warning("could not end the training session at %s", p.name)
+                    p.end(wait=finished)
+                except CutlayerError as exc:
+                    logger.warning("could not end the training session at %s: %s", p.name, exc)
             self._pool.shutdown(wait=False)
             try:
                 self.writer.close()
@@ -300,6 +304,19 @@ class Coordinator:
             timings={"total_seconds": time.perf_counter() - started, "rollbacks": self.rollbacks,
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )
+
+    def _finish(self, loop: LoopState) -> tuple[dict[str, float], np.ndarray]:
+        """Every party writes its model (the best epoch's, if asked); the test rows are scored."""
+        assert self.top is not None
+        restore = self.config.restore_best and loop.best_top is not None
+        if restore:
+            self.top.load_state_dict(loop.best_top)
+        self.files = self._all(lambda p: p.finish(restore_best=restore))
+        self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
+        test, scores = self.evaluate(self.top, self.split.test)
+        if self.audit is not None:
+            self._record_embeddings(self.audit)
+        return test, scores
 
     def _train(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         """Train from ``loop``'s position to the end; ``loop`` always says where training stands."""

@@ -47,6 +47,8 @@ class PartySession:
         if positions.min() < 0 or positions.max() >= n or len(np.unique(positions)) != len(positions):
             raise BadMessage(f"train_rows must be distinct positions in [0, {n})")
         self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
+        self.train_digest = _digest(train_positions)
+        self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
         aligned = table.features.iloc[alignment.rows]
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
         self.privacy, self.monitor = privacy, monitor
@@ -55,6 +57,11 @@ class PartySession:
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
                     session_id, n, self.encoder.width, config.cut_width)
+
+    def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
+        """Whether this session is, untouched, what starting it with these arguments would give."""
+        return (alignment_id == self.alignment_id and self.trainer.next_step == 0
+                and self.train_digest == _digest(train_positions))
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -100,6 +107,7 @@ class PartySession:
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
+        self.train_digest, self.restarted_at = None, step
         self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
@@ -120,3 +128,7 @@ class PartySession:
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
         atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
         return digests
+
+
+def _digest(positions: torch.Tensor) -> str:
+    return hashlib.sha256(positions.numpy().astype("<i8").tobytes()).hexdigest()

@@ -15,7 +15,7 @@ from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import AlignmentMismatch, BadMessage, DataError, OutOfOrder, UnknownSession
+from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.privacy import EmbeddingDP
 from parties.scoring import ScoringBottom
 from parties.protocol import (
@@ -118,7 +118,10 @@ class PartnerCore:
         if alignment_id != self.alignment.alignment_id:
             raise OutOfOrder(f"alignment {alignment_id} is not this partner's current alignment")
         with self._lock:
-            if session_id in self._training:
+            existing = self._training.get(session_id)
+            if existing is not None:
+                if existing.started_with(alignment_id, train_positions):  # the bank's retry: the same answer
+                    return TrainSessionInfo(session=session_id, embedding_width=existing.trainer.width)
                 raise OutOfOrder(f"training session {session_id} already exists")
             if len(self._training) >= self.settings.max_training_sessions:
                 raise OutOfOrder("too many training sessions are open; finish or abort one first")
@@ -136,13 +139,21 @@ class PartnerCore:
             raise BadMessage("a session id is letters and digits")
         return self.settings.state_path / "training" / session_id
 
-    def training(self, session_id: str) -> PartySession:
-        """The live session, or, after a restart, the session rebuilt from its latest checkpoint."""
+    def training(self, session_id: str, *, live: bool = True) -> PartySession:
+        """The live session, or, after a restart, the session rebuilt from its latest checkpoint.
+
+        A rebuilt session answers every call that ``live`` marks with ``Behind`` until the bank rolls
+        it back: whatever happened after its checkpoint (steps, the best weights marked) is gone, and
+        only a rollback of every party makes them agree again.
+        """
         with self._lock:
             session = self._training.get(session_id)
             if session is None:
                 session = self._from_checkpoint(session_id)
         session.last_used = time.monotonic()
+        if live and session.restarted_at is not None:
+            raise Behind(f"training session {session_id} restarted from its checkpoint at step "
+                         f"{session.restarted_at}; roll every party back first", session.trainer.next_step)
         return session
 
     def _from_checkpoint(self, session_id: str) -> PartySession:
@@ -155,7 +166,7 @@ class PartnerCore:
         return session
 
     def checkpoints(self, session_id: str) -> list[int]:
-        self.training(session_id).flush_checkpoints()
+        self.training(session_id, live=False).flush_checkpoints()
         return checkpoint_steps(self.checkpoint_dir(session_id))
 
     def checkpoint(self, session_id: str) -> int:
@@ -163,7 +174,9 @@ class PartnerCore:
         return session.checkpoint(self.checkpoint_dir(session_id))
 
     def restore(self, session_id: str, step: int) -> None:
-        self.training(session_id).restore(self.checkpoint_dir(session_id), step)
+        session = self.training(session_id, live=False)
+        session.restore(self.checkpoint_dir(session_id), step)
+        session.restarted_at = None
 
     def privacy(self, session_id: str) -> PrivacyReport:
         dp = self.training(session_id).trainer.dp

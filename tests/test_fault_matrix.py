@@ -126,7 +126,9 @@ def fed(pki: Path, bank_full: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _cells() -> list[Any]:
     """(config, party, point): every cell with CUTLAYER_LONG_TESTS=1, else the share CI runs."""
-    share = {("default", "partner", "flush"), ("default", "bank", "validation"), ("every0", "bank", "flush")}
+    share = {("default", "partner", "flush"), ("default", "bank", "validation"), ("every0", "bank", "flush"),
+             ("default", "partner2", "validation"), ("every0", "partner2", "mark_best"),
+             ("every50", "partner", "finish")}
     cells = []
     for config in CONFIGS:
         for party in ("bank", *PARTNERS):
