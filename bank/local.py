@@ -55,13 +55,18 @@ class InProcessParty:
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         return self._live().trainer.step(step, grad, rows)
 
+    @property
+    def durable(self) -> int | None:
+        return None if self.session is None else self.session.writer.durable
+
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         def run() -> torch.Tensor | None:
             z = self.step(step, grad, rows)
             if checkpoint:
-                self._live().checkpoint(self._folder())
+                self._live().checkpoint(self._folder(), keep_from)
             return z
 
         return run

@@ -48,7 +48,7 @@ from parties.protocol import (
     RestoreRequest,
     TrainSessionInfo,
 )
-from parties.wire import SAFETENSORS, decode, encode
+from parties.wire import SAFETENSORS, WireMessage, decode, encode
 
 
 class TrainingParty(Protocol):
@@ -65,12 +65,19 @@ class TrainingParty(Protocol):
         ...
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         """Start ``step``; the returned function finishes it. The bank computes in between.
 
-        ``checkpoint``: save this party's state once the step is applied.
+        ``checkpoint``: save this party's state once the step is applied; ``keep_from``: the newest
+        step every party has on disk (older checkpoints may be deleted).
         """
+        ...
+
+    @property
+    def durable(self) -> int | None:
+        """The newest step this party has reported on disk (``None``: not known yet)."""
         ...
 
     def checkpoints(self) -> list[int]:
@@ -149,6 +156,7 @@ class HttpPartner:
         self.round_trips = 0
         self.session_id = ""
         self.width = 0
+        self.durable: int | None = None  # the newest step the partner says it has on disk
 
     def _call(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
         try:
@@ -291,7 +299,9 @@ class HttpPartner:
         return self._send_tensors(path, what, tensors, **meta)()
 
     def _embedding(self, content: bytes, rows: int, what: str) -> torch.Tensor:
-        message = decode(content, {"embedding": torch.float32})
+        return self._checked_embedding(decode(content, {"embedding": torch.float32}), rows, what)
+
+    def _checked_embedding(self, message: WireMessage, rows: int, what: str) -> torch.Tensor:
         z = message.get("embedding")
         if z is None or tuple(z.shape) != (rows, self.width):
             shape = None if z is None else tuple(z.shape)
@@ -313,15 +323,21 @@ class HttpPartner:
         return self.submit_step(step, grad, rows)()
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
-        meta = {"session": self.session_id, "step": step} | ({"checkpoint": 1} if checkpoint else {})
+        meta: dict[str, object] = {"session": self.session_id, "step": step}
+        if checkpoint:
+            meta |= {"checkpoint": 1} | ({} if keep_from is None else {"keep_from": keep_from})
         finish = self._send_tensors(f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, **meta)
 
         def result() -> torch.Tensor | None:
-            content = finish()
-            return None if rows is None else self._embedding(content, rows.numel(), f"the embedding of step {step}")
+            message = decode(finish(), {"embedding": torch.float32})
+            if "durable" in message.meta:
+                self.durable = message.int_meta("durable")
+            return None if rows is None else self._checked_embedding(message, rows.numel(),
+                                                                      f"the embedding of step {step}")
 
         return result
 
@@ -361,6 +377,7 @@ class HttpPartner:
     def restore(self, step: int) -> None:
         body = RestoreRequest(step=step).model_dump()
         self._control("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
+        self.durable = step
 
     def finish(self, restore_best: bool) -> ModelFiles:
         body = FinishRequest(restore_best=restore_best).model_dump()

@@ -122,9 +122,10 @@ class Coordinator:
         """
         own, *others = self.parties
         started = time.perf_counter()
-        pending = [p.submit_step(step, g, rows, checkpoint) for p, g in zip(others, grads[1:])]
+        floor = self._floor() if checkpoint else None
+        pending = [p.submit_step(step, g, rows, checkpoint, floor) for p, g in zip(others, grads[1:])]
         while_waiting()
-        first = self._timed(own, own.submit_step(step, grads[0], rows, checkpoint))
+        first = self._timed(own, own.submit_step(step, grads[0], rows, checkpoint, floor))
         results, failures = [first], []
         for p, finish in zip(others, pending):
             try:  # collect every answer, even after one failed: no request is left in flight
@@ -194,6 +195,11 @@ class Coordinator:
         every = self.config.checkpoint_every
         return self.checkpoint_dir is not None and (flush or bool(every and (step + 1) % every == 0))
 
+    def _floor(self) -> int | None:
+        """The newest step every party (and the loop's own state) has on disk: retention keeps it."""
+        held = [self.writer.durable, *(p.durable for p in self.parties)]
+        return None if None in held else min(held)  # type: ignore[type-var]
+
     def _save(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         assert self.top is not None and self.checkpoint_dir is not None
         tensors = {f"top.{k}": v.detach().clone() for k, v in self.top.state_dict().items()}
@@ -203,7 +209,7 @@ class Coordinator:
         if loop.best_top is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths}
-        self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta)
+        self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta, self._floor())
 
     def _checkpoint_steps(self) -> list[int]:
         """The bank's own checkpoints, once every write it started is on disk."""
@@ -225,6 +231,7 @@ class Coordinator:
         for p in self.parties:
             p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
+        self.writer.reset(step)
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
         grads = checkpoint.section("grads")

@@ -4,7 +4,13 @@ A checkpoint is ``<folder>/step-<n>.safetensors``: tensors (model weights,
 optimiser moments, whatever else the state holds) plus a JSON document in the
 metadata (step counters, optimiser hyper-parameters, positions). It is written
 to a temporary file, fsynced and renamed, so a crash during a save leaves the
-previous checkpoints intact and no half-written one. The last ``keep`` are kept.
+previous checkpoints intact and no half-written one.
+
+Retention is by common step: in training, the bank tells every party the
+newest step that every party has on disk (``floor``), and a party deletes only
+checkpoints older than that; until it knows one, it deletes nothing. So the
+step a rollback needs is never deleted, however far apart the parties' writes
+are. (``keep``, the last N, is for writers outside a training session.)
 
 Training writes them through a ``CheckpointWriter``: the snapshot is taken at
 once, and the write, which waits on the disk, overlaps the next steps.
@@ -68,21 +74,33 @@ def unflatten_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def write_checkpoint(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int = 2) -> Path:
-    return _write(folder, step, tensors, json.dumps(meta), keep)
+def write_checkpoint(
+    folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int | None = 2,
+    floor: int | None = None,
+) -> Path:
+    return _write(folder, step, tensors, json.dumps(meta), keep, floor)
 
 
-def _write(folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str, keep: int) -> Path:
+def _write(
+    folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str, keep: int | None, floor: int | None
+) -> Path:
     path = Path(folder) / f"step-{step}.safetensors"
     if Path(folder).is_dir():  # temporary files a crash left behind (one writer per folder)
         for stale in Path(folder).glob(".step-*.safetensors.*"):
             stale.unlink(missing_ok=True)
     blob = serialize(tensors, {"cutlayer": meta_json})
     atomic_write_bytes(path, blob)
-    for old in checkpoint_steps(folder)[:-keep]:
+    for old in _expired(checkpoint_steps(folder), step, keep, floor):
         (Path(folder) / f"step-{old}.safetensors").unlink(missing_ok=True)
     logger.info("checkpoint at step %d written", step)
     return path
+
+
+def _expired(steps: list[int], newest: int, keep: int | None, floor: int | None) -> list[int]:
+    """The checkpoints retention lets go: older than the common ``floor``, else beyond the last ``keep``."""
+    if floor is not None:
+        return [s for s in steps if s < min(floor, newest)]
+    return steps[:-keep] if keep else []
 
 
 class CheckpointWriter:
@@ -94,21 +112,40 @@ class CheckpointWriter:
     carry a checkpoint's name, so a crash loses at most the write in flight;
     ``flush`` waits for it, and whoever lists or reads checkpoints flushes
     first. A failed write is raised by the next ``submit`` or ``flush``.
+
+    ``durable`` is the newest step this writer has put on disk (or was reset
+    to, after a restore): what the party reports to the bank for retention.
     """
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int | None = None) -> None:
         self.keep = keep
+        self.durable: int | None = None
         self._lock = threading.Lock()
         self._pending: Future[Path] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
-    def submit(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def submit(
+        self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], floor: int | None = None
+    ) -> None:
+        """Write in the background; ``floor``: the newest step every party holds (older ones may go)."""
         meta_json = json.dumps(meta)
         with self._lock:
             self._wait()  # one in flight: bounded memory, and a failure surfaces at the next checkpoint
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-            self._pending = self._pool.submit(_write, folder, step, tensors, meta_json, self.keep)
+            self._pending = self._pool.submit(self._write, folder, step, tensors, meta_json, floor)
+
+    def _write(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str,
+               floor: int | None) -> Path:
+        path = _write(folder, step, tensors, meta_json, self.keep, floor)
+        self.durable = step
+        return path
+
+    def reset(self, step: int) -> None:
+        """After a restore to ``step``: what is on disk beyond it belongs to an abandoned run."""
+        with self._lock:
+            self._wait()
+            self.durable = step
 
     def flush(self) -> None:
         """Wait until every submitted checkpoint is on disk; raise if a write failed."""

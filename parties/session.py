@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from parties.bottom import BottomTrainer
-from parties.checkpoint import CheckpointWriter, read_checkpoint
+from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import BadMessage
+from parties.errors import BadMessage, OutOfOrder
 from parties.features import TabularEncoder
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.model import BottomConfig
@@ -65,15 +65,17 @@ class PartySession:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def checkpoint(self, folder: Path) -> int:
-        """Snapshot the state after the last processed step and write it in the background; returns that step."""
+    def checkpoint(self, folder: Path, floor: int | None = None) -> int:
+        """Snapshot the state after the last processed step and write it in the background; returns that step.
+
+        ``floor``: the newest step every party has on disk; older checkpoints may be deleted."""
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
                 "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
                 "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
                 "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
-        self.writer.submit(folder, step, tensors, meta)
+        self.writer.submit(folder, step, tensors, meta, floor)
         return step
 
     def flush_checkpoints(self) -> None:
@@ -86,10 +88,14 @@ class PartySession:
     def restore(self, folder: Path, step: int) -> None:
         """Roll this session back (or forward) to its checkpoint at ``step``."""
         self.writer.flush()
+        if step not in (held := checkpoint_steps(folder)):
+            raise OutOfOrder(f"training session {self.session_id} has no checkpoint at step {step} to roll back "
+                             f"to; this party holds steps {held}")
         checkpoint = read_checkpoint(folder, step)
         if checkpoint.meta["session"] != self.session_id:
             raise BadMessage(f"the checkpoint at step {step} belongs to another session")
         self.trainer.load_state(checkpoint, checkpoint.meta["trainer"])
+        self.writer.reset(step)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, step: int, table: PartyTable, alignment: AlignedRows) -> PartySession:
@@ -109,6 +115,7 @@ class PartySession:
         self.trainer.load_state(checkpoint, meta["trainer"])
         self.train_digest, self.restarted_at = None, step
         self.writer = CheckpointWriter()
+        self.writer.durable = step
         self.last_used = time.monotonic()
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
         return self

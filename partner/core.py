@@ -169,9 +169,9 @@ class PartnerCore:
         self.training(session_id, live=False).flush_checkpoints()
         return checkpoint_steps(self.checkpoint_dir(session_id))
 
-    def checkpoint(self, session_id: str) -> int:
+    def checkpoint(self, session_id: str, floor: int | None = None) -> int:
         session = self.training(session_id)
-        return session.checkpoint(self.checkpoint_dir(session_id))
+        return session.checkpoint(self.checkpoint_dir(session_id), floor)
 
     def restore(self, session_id: str, step: int) -> None:
         session = self.training(session_id, live=False)

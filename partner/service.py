@@ -144,16 +144,19 @@ def step(request: HotRequest) -> HotResponse:
     """One training step: a hot route (``parties.hotpath``), run on the event loop."""
     c: PartnerCore = request.state.core
     session_id = request.params["session_id"]
-    trainer = c.training(session_id).trainer
+    session = c.training(session_id)
     # BottomTrainer.step checks the gradient's finiteness itself.
     message = _checked(request.body, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
-    z = trainer.step(number, message.get("grad"), message.get("rows"))
-    body = encode({} if z is None else {"embedding": z}, session=session_id, step=number)
+    floor = message.int_meta("keep_from") if "keep_from" in message.meta else None
+    z = session.trainer.step(number, message.get("grad"), message.get("rows"))
+    # The answer says which step this partner has on disk: the bank's retention counts on it.
+    durable = {} if session.writer.durable is None else {"durable": session.writer.durable}
+    body = encode({} if z is None else {"embedding": z}, session=session_id, step=number, **durable)
     # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
     # the event loop reads the next request: the same state, off the bank's critical path.
     checkpoint = message.meta.get("checkpoint") == "1"
-    return HotResponse(body, SAFETENSORS, after=(lambda: c.checkpoint(session_id)) if checkpoint else None)
+    return HotResponse(body, SAFETENSORS, after=(lambda: c.checkpoint(session_id, floor)) if checkpoint else None)
 
 
 @train.post("/{session_id}/embed")

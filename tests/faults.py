@@ -108,9 +108,10 @@ class TrippedPartner(HttpPartner):
         if self.tripwire is not None:
             self.tripwire.event(kind, step, checkpoint)
 
-    def submit_step(self, step: int, grad: Any, rows: Any, checkpoint: bool = False) -> Callable[[], Any]:
+    def submit_step(self, step: int, grad: Any, rows: Any, checkpoint: bool = False,
+                    keep_from: int | None = None) -> Callable[[], Any]:
         self._trip("step", step)
-        finish = super().submit_step(step, grad, rows, checkpoint)
+        finish = super().submit_step(step, grad, rows, checkpoint, keep_from)
 
         def result() -> Any:
             out = finish()

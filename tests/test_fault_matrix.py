@@ -128,7 +128,7 @@ def _cells() -> list[Any]:
     """(config, party, point): every cell with CUTLAYER_LONG_TESTS=1, else the share CI runs."""
     share = {("default", "partner", "flush"), ("default", "bank", "validation"), ("every0", "bank", "flush"),
              ("default", "partner2", "validation"), ("every0", "partner2", "mark_best"),
-             ("every50", "partner", "finish")}
+             ("every50", "partner", "finish"), ("every1", "partner", "checkpoint_write")}
     cells = []
     for config in CONFIGS:
         for party in ("bank", *PARTNERS):
