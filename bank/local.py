@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +48,10 @@ class InProcessParty:
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
             raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
+        if self.session is not None:
+            self.session.close()
+        if self._checkpoint_dir is not None and (folder := self._checkpoint_dir(session_id)).is_dir():
+            shutil.rmtree(folder)  # an abandoned start's: a restart must not find them
         self.session = PartySession(
             session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor
         )

@@ -31,6 +31,7 @@ from parties.errors import (
     NotReady,
     PeerError,
     PeerUnavailable,
+    UnknownSession,
 )
 from parties.protocol import (
     ALIGNMENT_HEADER,
@@ -131,7 +132,8 @@ def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None]
         reraise=True,
     )
 
-_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch}
+_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch,
+              "UnknownSession": UnknownSession}
 
 
 class HttpPartner:
@@ -316,7 +318,7 @@ class HttpPartner:
         )
         expect_server(response, self.name, "partner")
         info = TrainSessionInfo.model_validate(response.json())
-        self.session_id, self.width = session_id, info.embedding_width
+        self.session_id, self.width, self.durable = session_id, info.embedding_width, None
         return info.embedding_width
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -37,7 +37,7 @@ from parties.checkpoint import (
     read_checkpoint,
     unflatten_optimizer,
 )
-from parties.errors import Behind, ConfigError, CutlayerError, PeerError, PeerUnavailable
+from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, UnknownSession
 from parties.model import build_optimizer, mlp
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -225,7 +225,7 @@ class Coordinator:
         for p in self.parties:
             common &= set(p.checkpoints())
         if not common:
-            raise PeerError(f"{cause}; and no step is checkpointed by every party, so training cannot continue")
+            return self._restart(optimizer, cause)
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
         for p in self.parties:
@@ -240,6 +240,19 @@ class Coordinator:
         restored.best_top = best or None
         self.rollbacks += 1
         return restored
+
+    def _restart(self, optimizer: torch.optim.Optimizer, cause: Exception | str) -> LoopState:
+        """No step is checkpointed by every party: every party starts the session again. Everything is
+        seeded, so the run that follows is the run that was lost."""
+        assert self.top is not None
+        logger.warning("session %s: %s; no step is checkpointed by every party: starting again from the start",
+                       self.session_id, cause)
+        top, fresh = self._start()
+        self.top.load_state_dict(top.state_dict())
+        optimizer.load_state_dict(fresh.state_dict())
+        self.writer.reset(None)
+        self.rollbacks += 1
+        return LoopState(grads=[None] * len(self.parties))
 
     def _reattach(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """After the bank restarted: find the session's parties again, from the bank's own checkpoints."""
@@ -270,11 +283,13 @@ class Coordinator:
     def run(self, resume: bool = False) -> TrainingOutcome:
         """Train from the start, or (``resume``) from the latest step every party has checkpointed."""
         started = time.perf_counter()
-        if resume:
+        if resume and self._checkpoint_steps():
             top, optimizer = self._reattach()
             self.top = top
             loop = self._rollback(LoopState(grads=[]), optimizer, "resuming after the bank stopped")
-        else:
+        else:  # a session the bank stopped before its first checkpoint starts again, the same way
+            if resume:
+                logger.warning("session %s: the bank has no checkpoint of it; starting it again", self.session_id)
             top, optimizer = self._start()
             self.top = top
             loop = LoopState(grads=[None] * len(self.parties))
@@ -287,7 +302,7 @@ class Coordinator:
                     self._train(loop, optimizer)
                     test, scores = self._finish(loop)
                     break
-                except Behind as exc:
+                except (Behind, UnknownSession) as exc:  # a party restarted: behind, or before its first checkpoint
                     if self.checkpoint_dir is None:
                         raise
                     loop = self._rollback(loop, optimizer, exc)

@@ -141,8 +141,9 @@ class CheckpointWriter:
         self.durable = step
         return path
 
-    def reset(self, step: int) -> None:
-        """After a restore to ``step``: what is on disk beyond it belongs to an abandoned run."""
+    def reset(self, step: int | None) -> None:
+        """After a restore to ``step`` (``None``: a fresh start): what is on disk beyond it belongs to an
+        abandoned run."""
         with self._lock:
             self._wait()
             self.durable = step

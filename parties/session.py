@@ -59,9 +59,8 @@ class PartySession:
                     session_id, n, self.encoder.width, config.cut_width)
 
     def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
-        """Whether this session is, untouched, what starting it with these arguments would give."""
-        return (alignment_id == self.alignment_id and self.trainer.next_step == 0
-                and self.train_digest == _digest(train_positions))
+        """Whether this session was started with these arguments."""
+        return alignment_id == self.alignment_id and self.train_digest == _digest(train_positions)
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -72,6 +71,7 @@ class PartySession:
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
+                "train_digest": self.train_digest,
                 "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
                 "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
                 "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
@@ -113,7 +113,7 @@ class PartySession:
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
-        self.train_digest, self.restarted_at = None, step
+        self.train_digest, self.restarted_at = meta.get("train_digest"), step
         self.writer = CheckpointWriter()
         self.writer.durable = step
         self.last_used = time.monotonic()

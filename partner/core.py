@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -119,19 +120,25 @@ class PartnerCore:
             raise OutOfOrder(f"alignment {alignment_id} is not this partner's current alignment")
         with self._lock:
             existing = self._training.get(session_id)
-            if existing is not None:
-                if existing.started_with(alignment_id, train_positions):  # the bank's retry: the same answer
-                    return TrainSessionInfo(session=session_id, embedding_width=existing.trainer.width)
-                raise OutOfOrder(f"training session {session_id} already exists")
-            if len(self._training) >= self.settings.max_training_sessions:
+            if existing is not None and not existing.started_with(alignment_id, train_positions):
+                raise OutOfOrder(f"training session {session_id} already exists, with other rows")
+            # The same start again (a retry, or the bank starting a run no party had checkpointed): the
+            # session starts afresh, seeded, as the first time.
+            if existing is None and len(self._training) >= self.settings.max_training_sessions:
                 raise OutOfOrder("too many training sessions are open; finish or abort one first")
         privacy = self.settings.privacy if self.settings.privacy.clip is not None else None
         monitor = self.settings.monitor if self.settings.monitor.probe_every else None
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor
         )
+        folder = self.checkpoint_dir(session_id)
+        if folder.is_dir():  # an abandoned start's: a restart must not find them
+            shutil.rmtree(folder)
         with self._lock:
+            previous = self._training.pop(session_id, None)
             self._training[session_id] = session
+        if previous is not None:
+            previous.close()
         return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
 
     def checkpoint_dir(self, session_id: str) -> Path:
@@ -166,7 +173,10 @@ class PartnerCore:
         return session
 
     def checkpoints(self, session_id: str) -> list[int]:
-        self.training(session_id, live=False).flush_checkpoints()
+        try:
+            self.training(session_id, live=False).flush_checkpoints()
+        except UnknownSession:  # restarted before its first checkpoint: it holds none
+            return []
         return checkpoint_steps(self.checkpoint_dir(session_id))
 
     def checkpoint(self, session_id: str, floor: int | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -149,3 +150,17 @@ def test_a_party_killed_at_any_point_resumes_to_the_bit_identical_model(
         assert outcome["fired"] == [asdict(fault)], "the fault never fired"
         assert outcome["rollbacks"] >= 1
     fed.assert_identical(config, session, outcome)
+
+
+@pytest.mark.parametrize("seed", [0, 1] + ([2, 3, 4, 5] if LONG else []))
+def test_several_random_kills_in_one_run_still_give_the_bit_identical_model(fed: Federation, seed: int) -> None:
+    """Three kills per run, of any party, before steps drawn from the run's steps."""
+    rng = random.Random(seed)
+    config = ("default", "every0", "every1", "every50")[seed % 4]
+    total = fed.reference(config)["steps"]
+    faults = [Fault(rng.choice(("bank", *PARTNERS)), "step", at=s) for s in sorted(rng.sample(range(1, total), 3))]
+    session = f"random{seed}"
+    outcome = fed.run(config, session, faults)
+    fed.assert_identical(config, session, outcome)
+    last_bank = max((i for i, f in enumerate(faults) if f.party == "bank"), default=-1)
+    assert outcome["fired"] == [asdict(f) for f in faults[last_bank + 1 :]]  # the bank's own: it was killed
