@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from parties.checkpoint import checkpoint_steps
+from parties.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage, PeerError
 from parties.hijack import MonitorConfig
@@ -50,8 +49,8 @@ class InProcessParty:
             raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
         if self.session is not None:
             self.session.close()
-        if self._checkpoint_dir is not None and (folder := self._checkpoint_dir(session_id)).is_dir():
-            shutil.rmtree(folder)  # an abandoned start's: a restart must not find them
+        if self._checkpoint_dir is not None:  # an abandoned start's: a restart must not find them
+            remove_checkpoints(self._checkpoint_dir(session_id))
         self.session = PartySession(
             session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor
         )
@@ -69,6 +68,7 @@ class InProcessParty:
         keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         def run() -> torch.Tensor | None:
+            self._live().writer.check()  # the last checkpoint failed: stop before anything more is lost
             z = self.step(step, grad, rows)
             if checkpoint:
                 self._live().checkpoint(self._folder(), keep_from)

@@ -31,6 +31,7 @@ from parties.errors import (
     NotReady,
     PeerError,
     PeerUnavailable,
+    StorageError,
     UnknownSession,
 )
 from parties.protocol import (
@@ -133,7 +134,7 @@ def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None]
     )
 
 _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch,
-              "UnknownSession": UnknownSession}
+              "UnknownSession": UnknownSession, "StorageError": StorageError}
 
 
 class HttpPartner:

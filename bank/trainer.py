@@ -37,7 +37,7 @@ from parties.checkpoint import (
     read_checkpoint,
     unflatten_optimizer,
 )
-from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, UnknownSession
+from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, StorageError, UnknownSession
 from parties.model import build_optimizer, mlp
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -121,6 +121,7 @@ class Coordinator:
         ``while_waiting`` may fill in ``grads[0]``, the bank's own gradient.
         """
         own, *others = self.parties
+        self.writer.check()  # the bank's last write failed: stop before anything more is lost
         started = time.perf_counter()
         floor = self._floor() if checkpoint else None
         pending = [p.submit_step(step, g, rows, checkpoint, floor) for p, g in zip(others, grads[1:])]
@@ -269,14 +270,13 @@ class Coordinator:
         """Say where a resume starts. The bank checkpoints a step once every party has taken its own
         snapshot of it; a party's write may still have been in flight when it died, so a resume goes
         back to the latest step that every party holds on disk."""
-        try:
-            steps = self._checkpoint_steps()
-        except OSError as exc:
-            return f"the bank could not write its checkpoint ({exc})"
+        steps = self._checkpoint_steps()
         if not steps:
             return "no step is checkpointed by every party yet"
+        floor = self._floor()
+        common = "" if floor is None else f" (step {floor} at the last report)"
         return (f"the bank has checkpointed step {steps[-1]} (session {self.session_id}); a resume goes back to "
-                "the latest step every party holds")
+                f"the latest step every party holds{common}")
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -308,6 +308,9 @@ class Coordinator:
                     loop = self._rollback(loop, optimizer, exc)
                 except PeerUnavailable as exc:
                     raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc
+                except StorageError as exc:  # a party's disk: stop now, the whole checkpoints stay for a resume
+                    who = "" if str(exc).startswith("partner ") else f"the bank {self.parties[0].name!r} "
+                    raise StorageError(f"{who}{exc}. Training stopped; {self._last_consistent()}") from exc
             finished = True
         finally:
             for p in self.parties:
@@ -316,10 +319,7 @@ class Coordinator:
                 except CutlayerError as exc:
                     logger.warning("could not end the training session at %s: %s", p.name, exc)
             self._pool.shutdown(wait=False)
-            try:
-                self.writer.close()
-            except OSError as exc:
-                logger.warning("session %s: a checkpoint could not be written: %s", self.session_id, exc)
+            self.writer.close()
         return TrainingOutcome(
             session_id=self.session_id, history=loop.history, test_metrics=test, best_epoch=loop.best_epoch,
             steps=loop.step, split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
@@ -335,6 +335,7 @@ class Coordinator:
             self.top.load_state_dict(loop.best_top)
         self.files = self._all(lambda p: p.finish(restore_best=restore))
         self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
+        self.writer.check()
         test, scores = self.evaluate(self.top, self.split.test)
         if self.audit is not None:
             self._record_embeddings(self.audit)

@@ -13,11 +13,14 @@ step a rollback needs is never deleted, however far apart the parties' writes
 are. (``keep``, the last N, is for writers outside a training session.)
 
 Training writes them through a ``CheckpointWriter``: the snapshot is taken at
-once, and the write, which waits on the disk, overlaps the next steps.
+once, and the write, which waits on the disk, overlaps the next steps. A write
+that fails (a full disk) leaves the checkpoints before it whole, and the
+writer refuses to go on (``StorageError``) until a restore resets it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -30,12 +33,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
-from parties.errors import DataError
+from parties.errors import DataError, StorageError
 from parties.files import atomic_write_bytes
 from parties.wire import serialize
 
 __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
-           "unflatten_optimizer", "write_checkpoint"]
+           "remove_checkpoints", "unflatten_optimizer", "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,9 @@ class CheckpointWriter:
     run on the writer thread while training goes on. Only whole files ever
     carry a checkpoint's name, so a crash loses at most the write in flight;
     ``flush`` waits for it, and whoever lists or reads checkpoints flushes
-    first. A failed write is raised by the next ``submit`` or ``flush``.
+    first. A failed write sets ``failure``, which ``submit`` and ``check``
+    raise from then on, so training stops at the next step; listing and
+    reading checkpoints still work, and ``reset`` (after a restore) clears it.
 
     ``durable`` is the newest step this writer has put on disk (or was reset
     to, after a restore): what the party reports to the bank for retention.
@@ -120,6 +125,7 @@ class CheckpointWriter:
     def __init__(self, keep: int | None = None) -> None:
         self.keep = keep
         self.durable: int | None = None
+        self.failure: StorageError | None = None
         self._lock = threading.Lock()
         self._pending: Future[Path] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -131,25 +137,42 @@ class CheckpointWriter:
         meta_json = json.dumps(meta)
         with self._lock:
             self._wait()  # one in flight: bounded memory, and a failure surfaces at the next checkpoint
+            self._raise_failure()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             self._pending = self._pool.submit(self._write, folder, step, tensors, meta_json, floor)
 
     def _write(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str,
                floor: int | None) -> Path:
-        path = _write(folder, step, tensors, meta_json, self.keep, floor)
+        try:
+            path = _write(folder, step, tensors, meta_json, self.keep, floor)
+        except OSError as exc:
+            self.failure = StorageError(
+                f"could not write the checkpoint of step {step} to {Path(folder) / f'step-{step}.safetensors'}: "
+                f"{_cause(exc)}")
+            self.failure.__cause__ = exc
+            logger.error("%s", self.failure)
+            raise
         self.durable = step
         return path
+
+    def check(self) -> None:
+        """Raise the failure of a write that has ended, without waiting for one in flight."""
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
     def reset(self, step: int | None) -> None:
         """After a restore to ``step`` (``None``: a fresh start): what is on disk beyond it belongs to an
         abandoned run."""
         with self._lock:
             self._wait()
-            self.durable = step
+            self.durable, self.failure = step, None
 
     def flush(self) -> None:
-        """Wait until every submitted checkpoint is on disk; raise if a write failed."""
+        """Wait until every submitted checkpoint is on disk or has failed (``check`` says which)."""
         with self._lock:
             self._wait()
 
@@ -165,7 +188,19 @@ class CheckpointWriter:
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            pending.exception()  # a failure is kept in ``failure``
+
+
+def _cause(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full ({exc.strerror})"
+    return exc.strerror or str(exc)
+
+
+def remove_checkpoints(folder: Path) -> None:
+    """Delete every checkpoint in ``folder`` (an abandoned start's), leaving the folder itself."""
+    for step in checkpoint_steps(folder):
+        (Path(folder) / f"step-{step}.safetensors").unlink(missing_ok=True)
 
 
 def checkpoint_steps(folder: Path) -> list[int]:

@@ -15,7 +15,7 @@ from safetensors.torch import save as save_tensors
 from parties.bottom import BottomTrainer
 from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import BadMessage, OutOfOrder
+from parties.errors import BadMessage, OutOfOrder, StorageError
 from parties.features import TabularEncoder
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.model import BottomConfig
@@ -130,10 +130,13 @@ class PartySession:
             "encoder.json": json.dumps(self.encoder.to_dict(), indent=2).encode(),
             "bottom-config.json": self.config.model_dump_json(indent=2).encode(),
         }
-        for name, data in blobs.items():
-            atomic_write_bytes(Path(directory) / name, data)
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
-        atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        try:
+            for name, data in blobs.items():
+                atomic_write_bytes(Path(directory) / name, data)
+            atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        except OSError as exc:
+            raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
         return digests
 
 

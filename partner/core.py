@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +26,7 @@ from parties.protocol import (
     PsiOpenResponse,
     TrainSessionInfo,
 )
-from parties.checkpoint import checkpoint_steps
+from parties.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.session import PartySession
 from parties.dataset import load_alignment, save_alignment
 from parties.settings import PartnerSettings
@@ -131,9 +130,7 @@ class PartnerCore:
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor
         )
-        folder = self.checkpoint_dir(session_id)
-        if folder.is_dir():  # an abandoned start's: a restart must not find them
-            shutil.rmtree(folder)
+        remove_checkpoints(self.checkpoint_dir(session_id))  # an abandoned start's: a restart must not find them
         with self._lock:
             previous = self._training.pop(session_id, None)
             self._training[session_id] = session

@@ -145,6 +145,7 @@ def step(request: HotRequest) -> HotResponse:
     c: PartnerCore = request.state.core
     session_id = request.params["session_id"]
     session = c.training(session_id)
+    session.writer.check()  # this partner's last checkpoint failed: the bank stops at this step
     # BottomTrainer.step checks the gradient's finiteness itself.
     message = _checked(request.body, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")

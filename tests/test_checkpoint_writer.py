@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint, write_checkpoint
+from parties.errors import StorageError
 
 
 def test_flush_makes_every_submitted_checkpoint_readable_and_keeps_the_last_ones(tmp_path: Path) -> None:
@@ -27,17 +28,21 @@ def test_flush_makes_every_submitted_checkpoint_readable_and_keeps_the_last_ones
     writer.close()
 
 
-def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
+def test_a_failed_write_stops_the_writer_until_a_restore_resets_it(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoint folder should be")
     writer = CheckpointWriter()
-    writer.submit(blocker, 0, {"w": torch.zeros(2)}, {})
-    with pytest.raises(OSError):
-        writer.flush()
-    writer.flush()  # reported once, then the writer carries on
+    writer.submit(tmp_path / "ok", 0, {"w": torch.zeros(2)}, {})
+    writer.submit(blocker, 1, {"w": torch.zeros(2)}, {})
+    writer.flush()  # listing and reading checkpoints still work after a failure
+    with pytest.raises(StorageError, match="could not write the checkpoint of step 1 to .*not-a-folder"):
+        writer.check()
+    with pytest.raises(StorageError):  # nothing more is written: training stops
+        writer.submit(tmp_path / "ok", 2, {"w": torch.zeros(2)}, {})
+    writer.reset(0)  # a restore to step 0: the writer carries on
     writer.submit(tmp_path / "ok", 1, {"w": torch.zeros(2)}, {})
     writer.close()
-    assert checkpoint_steps(tmp_path / "ok") == [1]
+    assert checkpoint_steps(tmp_path / "ok") == [0, 1]
 
 
 def test_a_checkpoint_is_safetensors_and_leaves_no_garbage_cycles(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from bank.config import TrainingConfig
 from bank.proxy import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.client import make_client
+from parties.checkpoint import checkpoint_steps, read_checkpoint
 from parties.dataset import load_party_table, save_alignment
+from parties.errors import StorageError
 from parties.tls import PeerIdentity, TLSFiles
 from tests.faults import POINTS, BankSpec, Fault, PartnerProcess, run_bank, spec_json
 from tests.training_helpers import saved, state_equal
@@ -164,3 +167,64 @@ def test_several_random_kills_in_one_run_still_give_the_bit_identical_model(fed:
     fed.assert_identical(config, session, outcome)
     last_bank = max((i for i, f in enumerate(faults) if f.party == "bank"), default=-1)
     assert outcome["fired"] == [asdict(f) for f in faults[last_bank + 1 :]]  # the bank's own: it was killed
+
+
+@pytest.fixture()
+def small_disk(fed: Federation) -> Iterator[Callable[[Path], Path]]:
+    """Mount a 1 MiB tmpfs at a folder (the test runs as root, or is skipped)."""
+    mounted: list[Path] = []
+
+    def mount(folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    with (folder / "filler").open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            pass
+
+
+@pytest.mark.skipif(shutil.which("mount") is None, reason="needs mount(8)")
+@pytest.mark.parametrize("party", ["partner2", "bank"])
+def test_a_full_disk_stops_training_at_once_and_a_resume_finishes_the_same_model(
+    fed: Federation, small_disk: Callable[[Path], Path], party: str
+) -> None:
+    config, session, full_at = "every1", f"diskfull{party}", 20
+    if party == "bank":
+        disk = small_disk(fed.tmp / "bank" / session)  # the bank's run folder: its checkpoints and model
+        folders = [disk / "coordinator", disk / "own"]
+    else:
+        disk = small_disk(fed.partners[party].state / "training" / session)
+        folders = [disk]
+    fed.settle()
+    spec = fed.spec(config, session, [Fault(party, "step", at=full_at)])
+    with pytest.raises(StorageError) as info:
+        run_bank(spec, fire=lambda _fault: _fill(disk))
+    message = str(info.value)
+    who = "the bank 'bank'" if party == "bank" else f"partner {party!r}"
+    assert message.startswith(who) and str(disk) in message and "disk full" in message, message
+    assert "Training stopped" in message
+    coordinator = checkpoint_steps(fed.tmp / "bank" / session / "coordinator")
+    assert coordinator[-1] <= full_at + 2, "training went on after the disk was full"
+    for folder in folders:  # the whole checkpoints are still there, and readable
+        steps = checkpoint_steps(folder)
+        assert steps and all(read_checkpoint(folder, s).step == s for s in steps)
+
+    (disk / "filler").unlink()  # space is back: the session resumes, to the same model
+    fed.settle()
+    outcome = run_bank(fed.spec(config, session, resume=True))
+    fed.assert_identical(config, session, outcome)
