@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     t.add_argument("--log-level", default="WARNING")
 
+    se = sub.add_parser("sessions", help="list the training sessions (running, stopped, finished, ended); end one")
+    _add_operator_arguments(se)
+    se.add_argument("--end", metavar="SESSION", default=None,
+                    help="end a stopped session for good, here and at every partner (it can no longer resume)")
+    se.add_argument("--log-level", default="WARNING")
+
     sc = sub.add_parser("score", help="score new customers with a trained model, through the running bank service")
     _add_operator_arguments(sc)
     sc.add_argument("--model", required=True, help="the model id (its training session)")
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")
         return 0
-    if args.command in ("align", "train", "score"):
+    if args.command in ("align", "train", "score", "sessions"):
         if args.tls_dir is None and not args.insecure:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
@@ -186,6 +192,14 @@ def main(argv: list[str] | None = None) -> int:
             job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
             result = _follow(operator, job, "training")
         print(json.dumps({k: result[k] for k in ("run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+        return 0
+    if args.command == "sessions":
+        with BankOperator(args.url, tls, args.name) as operator:
+            if args.end:
+                operator.end_session(args.end)
+                print(f"session {args.end} ended")
+            for s in operator.sessions().sessions:
+                print(f"{s.session}  {s.state}")
         return 0
     if args.command == "score":
         try:

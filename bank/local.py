@@ -119,7 +119,7 @@ class InProcessParty:
         dp = session.trainer.dp
         return dp.report(session.session_id) if dp is not None else PrivacyReport(session=session.session_id, enabled=False)
 
-    def end(self, wait: bool = True) -> None:
+    def end(self, finished: bool = True) -> None:
         if self.session is not None:
             self.session.close()
         self.session = None

@@ -48,6 +48,7 @@ from parties.protocol import (
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
+    SessionList,
     TrainSessionInfo,
 )
 from parties.wire import SAFETENSORS, WireMessage, decode, encode
@@ -106,8 +107,9 @@ class TrainingParty(Protocol):
         """Restore the best weights if asked and write the party's model files; the session stays open."""
         ...
 
-    def end(self, wait: bool = True) -> None:
-        """Close the session (after success or failure); ``wait=False``: one attempt, no retries."""
+    def end(self, finished: bool = True) -> None:
+        """Close the session: ``finished``, for good (retried); otherwise (the run stopped) unload it,
+        resumable from its checkpoints, in one attempt."""
         ...
 
 
@@ -388,7 +390,15 @@ class HttpPartner:
                                  json=body)
         return ModelFiles.model_validate(response.json())
 
-    def end(self, wait: bool = True) -> None:
+    def end(self, finished: bool = True) -> None:
         if self.session_id:
-            call = self._control if wait else self._call
-            call("DELETE", f"/train/sessions/{self.session_id}", "ending training")
+            self.end_session(self.session_id, finished)
+
+    def end_session(self, session_id: str, finished: bool = True) -> None:
+        """End one of this bank's sessions at the partner (``finished=False``: only unload it)."""
+        call = self._control if finished else self._call
+        call("DELETE", f"/train/sessions/{session_id}", "ending training", params={"finished": str(finished).lower()})
+
+    def sessions(self) -> SessionList:
+        """This bank's live sessions at the partner."""
+        return SessionList.model_validate(self._control("GET", "/train/sessions", "listing sessions").json())

@@ -315,7 +315,7 @@ class Coordinator:
         finally:
             for p in self.parties:
                 try:
-                    p.end(wait=finished)
+                    p.end(finished=finished)
                 except CutlayerError as exc:
                     logger.warning("could not end the training session at %s: %s", p.name, exc)
             self._pool.shutdown(wait=False)

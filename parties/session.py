@@ -49,6 +49,7 @@ class PartySession:
         self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
         self.train_digest = _digest(train_positions)
         self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
+        self.owner = ""  # the bank that started it
         aligned = table.features.iloc[alignment.rows]
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
         self.privacy, self.monitor = privacy, monitor
@@ -71,7 +72,7 @@ class PartySession:
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
-                "train_digest": self.train_digest,
+                "train_digest": self.train_digest, "owner": self.owner,
                 "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
                 "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
                 "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
@@ -113,7 +114,7 @@ class PartySession:
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
-        self.train_digest, self.restarted_at = meta.get("train_digest"), step
+        self.train_digest, self.restarted_at, self.owner = meta.get("train_digest"), step, meta.get("owner", "")
         self.writer = CheckpointWriter()
         self.writer.durable = step
         self.last_used = time.monotonic()

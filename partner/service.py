@@ -29,9 +29,11 @@ from parties.protocol import (
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
+    SessionList,
     TrainSessionInfo,
 )
 from parties.settings import PartnerSettings
+from parties.tls import PeerIdentity
 from parties.wire import SAFETENSORS, WireMessage, decode, encode
 from partner.core import WAIT_SECONDS, PartnerCore
 
@@ -54,8 +56,10 @@ def _octets(data: bytes) -> Response:
 
 
 @psi.post("", response_model=PsiOpenResponse)
-async def open_session(body: PsiOpenRequest, c: PartnerCore = Depends(core)) -> PsiOpenResponse:
-    return await run_in_threadpool(c.open_session, body)
+async def open_session(
+    body: PsiOpenRequest, who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)
+) -> PsiOpenResponse:
+    return await run_in_threadpool(c.open_session, body, who.name)
 
 
 @psi.put("/{session_id}/blinded/{index}", status_code=204)
@@ -130,14 +134,22 @@ def _tensors(tensors: dict[str, torch.Tensor], **meta: object) -> Response:
     return Response(content=encode(tensors, **meta), media_type=SAFETENSORS)
 
 
+@train.get("", response_model=SessionList)
+async def my_sessions(who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)) -> SessionList:
+    """The calling bank's live sessions (a bank restarted after a crash finds what it left)."""
+    return c.sessions(owner=who.name)
+
+
 @train.post("", response_model=TrainSessionInfo)
-async def start_training(request: Request, c: PartnerCore = Depends(core)) -> TrainSessionInfo:
+async def start_training(
+    request: Request, who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)
+) -> TrainSessionInfo:
     message = await _message(request, c, {"train_rows": torch.int64}, None)
     rows = message.get("train_rows")
     if rows is None:
         raise BadMessage("the message carries no train_rows")
     session, alignment = message.meta.get("session", ""), message.meta.get("alignment", "")
-    return await run_in_threadpool(c.start_training, session, alignment, rows)
+    return await run_in_threadpool(c.start_training, session, alignment, rows, who.name)
 
 
 def step(request: HotRequest) -> HotResponse:
@@ -199,8 +211,9 @@ async def privacy(session_id: str, c: PartnerCore = Depends(core)) -> PrivacyRep
 
 
 @train.delete("/{session_id}", status_code=204)
-async def end_training(session_id: str, c: PartnerCore = Depends(core)) -> Response:
-    c.end_training(session_id)
+async def end_training(session_id: str, finished: bool = True, c: PartnerCore = Depends(core)) -> Response:
+    """``finished=false``: unload the session only (the bank's run stopped; it stays resumable)."""
+    await run_in_threadpool(c.end_training, session_id, finished)
     return Response(status_code=204)
 
 
@@ -221,6 +234,19 @@ async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = De
         raise BadMessage("the message carries no rows")
     z = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
     return _tensors({"embedding": z}, model=model_id)
+
+
+@admin.get("/sessions", response_model=SessionList)
+async def sessions(c: PartnerCore = Depends(core)) -> SessionList:
+    """Every live session, PSI and training, whichever bank opened it."""
+    return c.sessions()
+
+
+@admin.delete("/sessions/{session_id}", status_code=204)
+async def end_session(session_id: str, c: PartnerCore = Depends(core)) -> Response:
+    """End a session for good (an abandoned one): a training session's checkpoints go with it."""
+    await run_in_threadpool(c.end_session, session_id)
+    return Response(status_code=204)
 
 
 @admin.get("/alignment", response_model=AlignmentInfo)
