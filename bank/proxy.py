@@ -135,6 +135,7 @@ def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None]
         reraise=True,
     )
 
+
 _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch,
               "UnknownSession": UnknownSession, "StorageError": StorageError}
 
@@ -265,8 +266,9 @@ class HttpPartner:
         try:
             return retry_policy(self.retry_deadline, note)(call)
         except PeerUnavailable as exc:
+            last = exc.__cause__ or exc  # the transport's own words, once
             raise PeerUnavailable(
-                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s: {exc}"
+                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s: {last}"
             ) from exc
 
     def _control(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
