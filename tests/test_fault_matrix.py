@@ -1,15 +1,17 @@
 """The fault matrix: any party SIGKILLed at any point of the loop, restarted, and the model is bit-identical.
 
 Every party is a real process: the partners are supervised services (restarted
-on their state dir when they die), the bank's side runs in a process of its
-own and, killed, is run again with ``resume``. Each cell trains one session
-with one fault and compares every party's final model with an uninterrupted
-run's under ``torch.equal``.
+on their state dir when they die); the bank's side runs in a process of its
+own, SIGKILLs itself at its fault, and the session is then resumed (in the
+test's process, as ``--resume`` does in the service). Each cell trains one
+session with one fault and compares every party's final model, the losses and
+the test metrics with an uninterrupted run's, under ``torch.equal``.
 
-CI runs a share of the matrix (the cells that failed before, and a seeded
-random-kill run with several kills); ``CUTLAYER_LONG_TESTS=1`` runs every cell:
-each party x each point x the default configuration and ``checkpoint_every``
-0, 1 and 50.
+CI runs a share of the matrix (cells that failed before this module existed),
+two seeded runs with three random kills each, and a full disk at a partner and
+at the bank; ``CUTLAYER_LONG_TESTS=1`` runs every cell (each party x each point
+x the default configuration and ``checkpoint_every`` 0, 1 and 50) and six
+random runs.
 """
 
 from __future__ import annotations
