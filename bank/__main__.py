@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
 
+    se = command(sub, "sessions", "list the training sessions (running, stopped, finished, ended); end one")
+    _add_operator_arguments(se)
+    se.add_argument("--end", metavar="SESSION", default=None,
+                    help="end a stopped session for good, here and at every partner (it can no longer resume)")
+    _add_log_level(se)
+
     sc = command(sub, "score", "score new customers with a trained model, through the running bank service")
     _add_operator_arguments(sc)
     sc.add_argument("--model", required=True, help="the model id (its training session)")
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.print_config:
         print(_train_config(args).model_dump_json(indent=2))
         return 0
-    if args.command in ("align", "train", "score"):
+    if args.command in ("align", "train", "score", "sessions"):
         if args.url is None:
             raise ConfigError("give --url: the bank service, e.g. https://127.0.0.1:8443")
         if args.tls_dir is None and not args.insecure:
@@ -256,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
               f"next, score new customers (a CSV of IDs and the bank's own columns):\n"
               f"  python -m bank score {connection} --model {result['session']} "
               f"--data new_customers.csv --out scores.csv")
+        return 0
+    if args.command == "sessions":
+        with BankOperator(args.url, tls, args.name) as operator:
+            if args.end:
+                operator.end_session(args.end)
+                print(f"session {args.end} ended")
+            for s in operator.sessions().sessions:
+                print(f"{s.session}  {s.state}")
         return 0
     if args.command == "score":
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,15 @@ from parties.dataset import AlignedRows, PartyTable, load_alignment, load_party_
 from parties.errors import BadMessage, ConfigError, NotAligned, OutOfOrder, UnknownSession
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.jobs import Job, JobRunner, Progress
-from parties.protocol import AlignmentInfo, AlignmentRequest
+from parties.protocol import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.settings import BankSettings
 from parties.tls import PeerIdentity
 
 __all__ = ["BankCore"]
 
 logger = logging.getLogger(__name__)
+
+ENDED = "ended"  # in a run folder: the operator ended the session; it never resumes
 
 
 def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome: TrainingOutcome) -> dict[str, float]:
@@ -64,6 +67,8 @@ class BankCore:
         self.jobs = JobRunner()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.pairwise: dict[str, int] = {}
+        self._running: set[str] = set()  # training sessions this process is running
+        self._lock = threading.Lock()
 
     def partners(self, names: list[str] | None) -> dict[str, str]:
         configured = self.settings.partners
@@ -116,14 +121,30 @@ class BankCore:
         task = Task(config.task, config.positive_label).fit(labels)
         targets = task.targets(labels)
         urls = self.partners(config.partners)
+        session_id = resume or uuid.uuid4().hex
+        with self._lock:
+            if session_id in self._running:
+                raise OutOfOrder(f"training session {session_id} is running")
+            self._running.add(session_id)
+        try:
+            return self._train(config, task, targets, urls, session_id, resume, progress)
+        finally:
+            with self._lock:
+                self._running.discard(session_id)
+
+    def _train(self, config: TrainingConfig, task: Task, targets: Any, urls: dict[str, str], session_id: str,
+               resume: str | None, progress: Progress) -> dict[str, Any]:
+        alignment = self.alignment
+        assert alignment is not None
+        runs = self.settings.state_path / "runs"
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             partners = list(self._proxies(client, list(urls)).values())
+            self._release_abandoned(partners)
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
                 model_dir=lambda session: runs / session / "model" / "bank",
                 checkpoint_dir=lambda session: runs / session / "checkpoints" / "bank-bottom",
             )
-            session_id = resume or uuid.uuid4().hex
             if resume is None:
                 atomic_write_text(runs / session_id / "training.json", json.dumps(
                     {"alignment_id": alignment.alignment_id, "config": config.model_dump(mode="json")}, indent=2))
@@ -145,9 +166,64 @@ class BankCore:
         )
         return {"run_dir": str(run_dir), **metrics}
 
+    def _release_abandoned(self, partners: list[HttpPartner]) -> None:
+        """Unload, at each partner, this bank's sessions that no job of this process runs: what a crash
+        left. They stay resumable from their checkpoints, and their slots are free for this training."""
+        for partner in partners:
+            for s in partner.sessions().sessions:
+                with self._lock:
+                    running = s.session in self._running
+                if s.kind == "training" and not running:
+                    logger.info("session %s at %s: no job runs it; unloading it there", s.session, partner.name)
+                    partner.end_session(s.session, finished=False)
+
+    # --- sessions, for the bank's operator ----------------------------------------------------
+
+    def _session_state(self, folder: Path) -> str:
+        if folder.name in self._running:
+            return "running"
+        if (folder / ENDED).exists():
+            return "ended"
+        if (folder / "metrics.json").exists():
+            return "finished"
+        return "stopped"
+
+    def sessions(self) -> SessionList:
+        """Every training session this bank started: running, stopped (resumable), finished or ended."""
+        runs = self.settings.state_path / "runs"
+        folders = sorted(runs.glob("*/training.json"), key=lambda p: p.stat().st_mtime) if runs.is_dir() else []
+        with self._lock:
+            return SessionList(sessions=[
+                SessionSummary(kind="training", session=f.parent.name, owner=self.settings.name,
+                               state=self._session_state(f.parent))
+                for f in folders
+            ])
+
+    def end_session(self, session_id: str) -> None:
+        """End a stopped session for good, here and at every partner: it can no longer be resumed."""
+        runs = self.settings.state_path / "runs"
+        if not session_id.isalnum() or not (runs / session_id / "training.json").exists():
+            raise UnknownSession(f"no training session {session_id}")
+        with self._lock:
+            if session_id in self._running:
+                raise OutOfOrder(f"training session {session_id} is running; it ends with its job")
+        started = json.loads((runs / session_id / "training.json").read_text())
+        names = TrainingConfig.model_validate(started["config"]).partners
+        with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
+            for name, partner in self._proxies(client, list(self.partners(names))).items():
+                try:
+                    partner.end_session(session_id, finished=True)
+                except UnknownSession:
+                    pass
+        atomic_write_text(runs / session_id / ENDED, "")
+        logger.info("training session %s ended by the operator", session_id)
+
     def _resumable(self, runs: Path, session_id: str, alignment: AlignedRows) -> TrainingConfig:
         if not session_id.isalnum():
             raise BadMessage("a session id is letters and digits")
+        state = self._session_state(runs / session_id)
+        if state in ("ended", "finished", "running"):
+            raise OutOfOrder(f"training session {session_id} is {state}; only a stopped session resumes")
         try:
             started = json.loads((runs / session_id / "training.json").read_text())
         except FileNotFoundError as exc:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from parties.checkpoint import checkpoint_steps
+from parties.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import BadMessage, PeerError
 from parties.hijack import MonitorConfig
@@ -47,6 +47,10 @@ class InProcessParty:
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
             raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
+        if self.session is not None:
+            self.session.close()
+        if self._checkpoint_dir is not None:  # an abandoned start's: a restart must not find them
+            remove_checkpoints(self._checkpoint_dir(session_id))
         self.session = PartySession(
             session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor
         )
@@ -55,13 +59,19 @@ class InProcessParty:
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         return self._live().trainer.step(step, grad, rows)
 
+    @property
+    def durable(self) -> int | None:
+        return None if self.session is None else self.session.writer.durable
+
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         def run() -> torch.Tensor | None:
+            self._live().writer.check()  # the last checkpoint failed: stop before anything more is lost
             z = self.step(step, grad, rows)
             if checkpoint:
-                self._live().checkpoint(self._folder())
+                self._live().checkpoint(self._folder(), keep_from)
             return z
 
         return run
@@ -109,7 +119,7 @@ class InProcessParty:
         dp = session.trainer.dp
         return dp.report(session.session_id) if dp is not None else PrivacyReport(session=session.session_id, enabled=False)
 
-    def end(self) -> None:
+    def end(self, finished: bool = True) -> None:
         if self.session is not None:
             self.session.close()
         self.session = None

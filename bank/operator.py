@@ -11,7 +11,7 @@ import httpx
 from bank.config import TrainingConfig
 from parties.client import make_client
 from parties.errors import CutlayerError, NotAligned, PeerError, PeerUntrusted
-from parties.protocol import AlignmentRequest, JobStatus
+from parties.protocol import AlignmentRequest, JobStatus, SessionList
 from parties.tls import PeerIdentity, TLSFiles, handshake_failure
 
 __all__ = ["BankOperator"]
@@ -57,6 +57,12 @@ class BankOperator:
 
     def resume_training(self, session_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("POST", f"/trainings/{session_id}/resume").json())
+
+    def sessions(self) -> SessionList:
+        return SessionList.model_validate(self._request("GET", "/trainings").json())
+
+    def end_session(self, session_id: str) -> None:
+        self._request("DELETE", f"/trainings/{session_id}")
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False) -> JobStatus:
         response = self._request("POST", "/scorings", content=csv, headers={"content-type": "text/csv"},

@@ -14,11 +14,12 @@ import logging
 import time
 
 from collections.abc import Callable
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 import httpx
 import numpy as np
 import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
 
 from alignment.session import SessionInfo
 from parties.channel import Channel
@@ -31,6 +32,8 @@ from parties.errors import (
     PeerError,
     PeerUnavailable,
     PeerUntrusted,
+    StorageError,
+    UnknownSession,
 )
 from parties.protocol import (
     ALIGNMENT_HEADER,
@@ -46,10 +49,11 @@ from parties.protocol import (
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
+    SessionList,
     TrainSessionInfo,
 )
 from parties.tls import handshake_failure
-from parties.wire import SAFETENSORS, decode, encode
+from parties.wire import SAFETENSORS, WireMessage, decode, encode
 
 
 class TrainingParty(Protocol):
@@ -66,12 +70,19 @@ class TrainingParty(Protocol):
         ...
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         """Start ``step``; the returned function finishes it. The bank computes in between.
 
-        ``checkpoint``: save this party's state once the step is applied.
+        ``checkpoint``: save this party's state once the step is applied; ``keep_from``: the newest
+        step every party has on disk (older checkpoints may be deleted).
         """
+        ...
+
+    @property
+    def durable(self) -> int | None:
+        """The newest step this party has reported on disk (``None``: not known yet)."""
         ...
 
     def checkpoints(self) -> list[int]:
@@ -98,29 +109,37 @@ class TrainingParty(Protocol):
         """Restore the best weights if asked and write the party's model files; the session stays open."""
         ...
 
-    def end(self) -> None:
-        """Close the session (after success or failure)."""
+    def end(self, finished: bool = True) -> None:
+        """Close the session: ``finished``, for good (retried); otherwise (the run stopped) unload it,
+        resumable from its checkpoints, in one attempt."""
         ...
 
 
-__all__ = ["HttpPartner", "TrainingParty", "retrying"]
-
-
-def retrying(party: TrainingParty, call: Callable[[], Any]) -> Any:
-    """A control call to a party that may still be restarting: retried until the party's deadline."""
-    deadline = time.monotonic() + getattr(party, "retry_deadline", 0)
-    while True:
-        try:
-            return call()
-        except PeerUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
+__all__ = ["HttpPartner", "TrainingParty", "retry_policy"]
 
 logger = logging.getLogger(__name__)
 
-_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch}
+T = TypeVar("T")
+
+
+def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None] | None = None) -> Retrying:
+    """The one retry policy for calls to a party that may be restarting.
+
+    Only ``PeerUnavailable`` (no answer at all) is retried: every call the
+    policy wraps is idempotent, so sending it again is safe. Backoff doubles
+    from 50 ms to 2 s; no attempt starts after ``deadline`` seconds.
+    """
+    return Retrying(
+        retry=retry_if_exception_type(PeerUnavailable),
+        stop=stop_before_delay(deadline),
+        wait=wait_exponential(multiplier=0.05, min=0.05, max=2.0),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+
+
+_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch,
+              "UnknownSession": UnknownSession, "StorageError": StorageError}
 
 
 class HttpPartner:
@@ -145,6 +164,7 @@ class HttpPartner:
         self.round_trips = 0
         self.session_id = ""
         self.width = 0
+        self.durable: int | None = None  # the newest step the partner says it has on disk
 
     def _call(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
         try:
@@ -241,54 +261,59 @@ class HttpPartner:
 
         return finish
 
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        """``call`` under the retry policy, until ``retry_deadline``; then a message that names the partner."""
+        def note(state: RetryCallState) -> None:
+            self.retries += 1
+            logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what,
+                           state.next_action.sleep if state.next_action else 0.0)
+
+        try:
+            return retry_policy(self.retry_deadline, note)(call)
+        except PeerUnavailable as exc:
+            last = exc.__cause__ or exc  # the transport's own words, once
+            raise PeerUnavailable(
+                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s: {last}"
+            ) from exc
+
+    def _control(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
+        """An idempotent control call, retried while the partner may be restarting."""
+        return self._retried(what, lambda: self._call(method, path, what, **kwargs))
+
     def _send_tensors(
         self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
     ) -> Callable[[], bytes]:
-        """Send an idempotent message; if the partner does not answer, send it again until the deadline.
+        """Send an idempotent message now; the returned function waits for the answer, sending the
+        message again under the retry policy if the partner does not answer.
 
         Safe because the partner answers a repeated (session, step) from its
         stored response without applying anything twice.
         """
         body = encode(tensors, **meta)
-        deadline = time.monotonic() + self.retry_deadline
-
-        def attempt() -> Callable[[], bytes]:
-            delay = 0.05
-            while True:
-                try:
-                    return self._send_once(path, what, body)
-                except PeerUnavailable:
-                    delay = self._backoff(deadline, delay, what)
-
-        finish = attempt()
+        try:
+            first: Callable[[], bytes] | None = self._send_once(path, what, body)
+        except PeerUnavailable:
+            first = None
 
         def result() -> bytes:
-            nonlocal finish
-            delay = 0.05
-            while True:
+            if first is not None:
                 try:
-                    return finish()
+                    return first()
                 except PeerUnavailable:
-                    delay = self._backoff(deadline, delay, what)
-                    finish = attempt()
+                    pass
+            self.retries += 1
+            logger.warning("partner %s did not answer (%s); sending it again", self.name, what)
+            return self._retried(what, lambda: self._send_once(path, what, body)())
 
         return result
-
-    def _backoff(self, deadline: float, delay: float, what: str) -> float:
-        if time.monotonic() + delay > deadline:
-            raise PeerUnavailable(
-                f"partner {self.name!r} at {self.url} did not answer ({what}) for {self.retry_deadline:.0f}s"
-            )
-        self.retries += 1
-        logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what, delay)
-        time.sleep(delay)
-        return min(delay * 2, 2.0)
 
     def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
         return self._send_tensors(path, what, tensors, **meta)()
 
     def _embedding(self, content: bytes, rows: int, what: str) -> torch.Tensor:
-        message = decode(content, {"embedding": torch.float32})
+        return self._checked_embedding(decode(content, {"embedding": torch.float32}), rows, what)
+
+    def _checked_embedding(self, message: WireMessage, rows: int, what: str) -> torch.Tensor:
         z = message.get("embedding")
         if z is None or tuple(z.shape) != (rows, self.width):
             shape = None if z is None else tuple(z.shape)
@@ -296,29 +321,35 @@ class HttpPartner:
         return z
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
-        response = self._call(
+        response = self._control(
             "POST", "/train/sessions", "starting training",
             content=encode({"train_rows": train_positions}, session=session_id, alignment=alignment_id),
             headers={"content-type": SAFETENSORS},
         )
         expect_server(response, self.name, "partner")
         info = TrainSessionInfo.model_validate(response.json())
-        self.session_id, self.width = session_id, info.embedding_width
+        self.session_id, self.width, self.durable = session_id, info.embedding_width, None
         return info.embedding_width
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         return self.submit_step(step, grad, rows)()
 
     def submit_step(
-        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False
+        self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
+        keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
         tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
-        meta = {"session": self.session_id, "step": step} | ({"checkpoint": 1} if checkpoint else {})
+        meta: dict[str, object] = {"session": self.session_id, "step": step}
+        if checkpoint:
+            meta |= {"checkpoint": 1} | ({} if keep_from is None else {"keep_from": keep_from})
         finish = self._send_tensors(f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, **meta)
 
         def result() -> torch.Tensor | None:
-            content = finish()
-            return None if rows is None else self._embedding(content, rows.numel(), f"the embedding of step {step}")
+            message = decode(finish(), {"embedding": torch.float32})
+            if "durable" in message.meta:
+                self.durable = message.int_meta("durable")
+            return None if rows is None else self._checked_embedding(message, rows.numel(),
+                                                                      f"the embedding of step {step}")
 
         return result
 
@@ -330,7 +361,7 @@ class HttpPartner:
         return self._embedding(response, rows.numel(), "an evaluation embedding")
 
     def mark_best(self) -> None:
-        self._call("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+        self._control("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
 
     def attach(self, session_id: str, width: int) -> None:
         self.session_id, self.width = session_id, width
@@ -339,7 +370,7 @@ class HttpPartner:
 
     def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
         body = LoadModelRequest(files=files, embedding_width=width).model_dump()
-        self._call("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
+        self._control("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
         self.width = width
 
     def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
@@ -348,22 +379,33 @@ class HttpPartner:
         return self._embedding(content, positions.numel(), "scoring embeddings")
 
     def privacy(self) -> PrivacyReport:
-        response = self._call("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
+        response = self._control("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
         return PrivacyReport.model_validate(response.json())
 
     def checkpoints(self) -> list[int]:
-        response = self._call("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
+        response = self._control("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
         return CheckpointList.model_validate(response.json()).steps
 
     def restore(self, step: int) -> None:
         body = RestoreRequest(step=step).model_dump()
-        self._call("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
+        self._control("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
+        self.durable = step
 
     def finish(self, restore_best: bool) -> ModelFiles:
         body = FinishRequest(restore_best=restore_best).model_dump()
-        response = self._call("POST", f"/train/sessions/{self.session_id}/finish", "finishing training", json=body)
+        response = self._control("POST", f"/train/sessions/{self.session_id}/finish", "finishing training",
+                                 json=body)
         return ModelFiles.model_validate(response.json())
 
-    def end(self) -> None:
+    def end(self, finished: bool = True) -> None:
         if self.session_id:
-            self._call("DELETE", f"/train/sessions/{self.session_id}", "ending training")
+            self.end_session(self.session_id, finished)
+
+    def end_session(self, session_id: str, finished: bool = True) -> None:
+        """End one of this bank's sessions at the partner (``finished=False``: only unload it)."""
+        call = self._control if finished else self._call
+        call("DELETE", f"/train/sessions/{session_id}", "ending training", params={"finished": str(finished).lower()})
+
+    def sessions(self) -> SessionList:
+        """This bank's live sessions at the partner."""
+        return SessionList.model_validate(self._control("GET", "/train/sessions", "listing sessions").json())

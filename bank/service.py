@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 
 from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.app import create_party_app, read_body, require_self
 from parties.dataset import PartyTable, load_party_table
 from parties.errors import NotAligned, OutOfOrder
-from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus
+from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
 from parties.settings import BankSettings
 
 __all__ = ["create_app"]
@@ -40,6 +41,19 @@ async def current_alignment(c: BankCore = Depends(core)) -> AlignmentInfo:
 @coordinator.post("/trainings", status_code=202, response_model=JobStatus)
 async def start_training(body: TrainingConfig, c: BankCore = Depends(core)) -> JobStatus:
     return c.start_training(body).status()
+
+
+@coordinator.get("/trainings", response_model=SessionList)
+async def training_sessions(c: BankCore = Depends(core)) -> SessionList:
+    """Every training session: running, stopped (resumable), finished or ended."""
+    return c.sessions()
+
+
+@coordinator.delete("/trainings/{session_id}", status_code=204)
+async def end_training_session(session_id: str, c: BankCore = Depends(core)) -> Response:
+    """End a stopped session for good, here and at every partner."""
+    await run_in_threadpool(c.end_session, session_id)
+    return Response(status_code=204)
 
 
 @coordinator.post("/trainings/{session_id}/resume", status_code=202, response_model=JobStatus)

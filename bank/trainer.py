@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import torch
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
 from bank.defenses import perturb_gradient, randomized_response
-from bank.proxy import TrainingParty, retrying
+from bank.proxy import TrainingParty
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.task import Task
@@ -37,7 +37,7 @@ from parties.checkpoint import (
     read_checkpoint,
     unflatten_optimizer,
 )
-from parties.errors import Behind, ConfigError, CutlayerError, PeerError, PeerUnavailable
+from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, StorageError, UnknownSession
 from parties.model import build_optimizer, mlp
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -125,10 +125,12 @@ class Coordinator:
         ``while_waiting`` may fill in ``grads[0]``, the bank's own gradient.
         """
         own, *others = self.parties
+        self.writer.check()  # the bank's last write failed: stop before anything more is lost
         started = time.perf_counter()
-        pending = [p.submit_step(step, g, rows, checkpoint) for p, g in zip(others, grads[1:])]
+        floor = self._floor() if checkpoint else None
+        pending = [p.submit_step(step, g, rows, checkpoint, floor) for p, g in zip(others, grads[1:])]
         while_waiting()
-        first = self._timed(own, own.submit_step(step, grads[0], rows, checkpoint))
+        first = self._timed(own, own.submit_step(step, grads[0], rows, checkpoint, floor))
         results, failures = [first], []
         for p, finish in zip(others, pending):
             try:  # collect every answer, even after one failed: no request is left in flight
@@ -141,10 +143,17 @@ class Coordinator:
         return results
 
     def _all(self, call: Callable[[TrainingParty], Any]) -> list[Any]:
-        """``call`` on every party: the partners in threads, the bank's own in this thread meanwhile."""
+        """``call`` on every party: the partners in threads, the bank's own in this thread meanwhile.
+
+        Every call has ended before this returns or raises (the first failure): none is left
+        running into a rollback.
+        """
         own, *others = self.parties
         futures = [self._pool.submit(self._timed, p, lambda p=p: call(p)) for p in others]
-        first = self._timed(own, lambda: call(own))
+        try:
+            first = self._timed(own, lambda: call(own))
+        finally:
+            wait(futures)
         return [first, *(f.result() for f in futures)]
 
     # --- the loop --------------------------------------------------------------------------
@@ -191,6 +200,11 @@ class Coordinator:
         every = self.config.checkpoint_every
         return self.checkpoint_dir is not None and (flush or bool(every and (step + 1) % every == 0))
 
+    def _floor(self) -> int | None:
+        """The newest step every party (and the loop's own state) has on disk: retention keeps it."""
+        held = [self.writer.durable, *(p.durable for p in self.parties)]
+        return None if None in held else min(held)  # type: ignore[type-var]
+
     def _save(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         assert self.top is not None and self.checkpoint_dir is not None
         tensors = {f"top.{k}": v.detach().clone() for k, v in self.top.state_dict().items()}
@@ -200,7 +214,7 @@ class Coordinator:
         if loop.best_top is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths}
-        self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta)
+        self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta, self._floor())
 
     def _checkpoint_steps(self) -> list[int]:
         """The bank's own checkpoints, once every write it started is on disk."""
@@ -214,14 +228,15 @@ class Coordinator:
         assert self.top is not None and self.checkpoint_dir is not None
         common = set(self._checkpoint_steps())
         for p in self.parties:
-            common &= set(retrying(p, p.checkpoints))
+            common &= set(p.checkpoints())
         if not common:
-            raise PeerError(f"{cause}; and no step is checkpointed by every party, so training cannot continue")
+            return self._restart(optimizer, cause)
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
         for p in self.parties:
-            retrying(p, lambda p=p: p.restore(step))
+            p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
+        self.writer.reset(step)
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
         grads = checkpoint.section("grads")
@@ -231,6 +246,19 @@ class Coordinator:
         self.rollbacks += 1
         return restored
 
+    def _restart(self, optimizer: torch.optim.Optimizer, cause: Exception | str) -> LoopState:
+        """No step is checkpointed by every party: every party starts the session again. Everything is
+        seeded, so the run that follows is the run that was lost."""
+        assert self.top is not None
+        logger.warning("session %s: %s; no step is checkpointed by every party: starting again from the start",
+                       self.session_id, cause)
+        top, fresh = self._start()
+        self.top.load_state_dict(top.state_dict())
+        optimizer.load_state_dict(fresh.state_dict())
+        self.writer.reset(None)
+        self.rollbacks += 1
+        return LoopState(grads=[None] * len(self.parties))
+
     def _reattach(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """After the bank restarted: find the session's parties again, from the bank's own checkpoints."""
         steps = self._checkpoint_steps()
@@ -239,72 +267,84 @@ class Coordinator:
         assert self.checkpoint_dir is not None
         self.widths = read_checkpoint(self.checkpoint_dir, steps[-1]).meta["widths"]
         for p in self.parties:
-            retrying(p, lambda p=p: p.attach(self.session_id, self.widths[p.name]))
+            p.attach(self.session_id, self.widths[p.name])
         return self._build_top()
 
     def _last_consistent(self) -> str:
         """Say where a resume starts. The bank checkpoints a step once every party has taken its own
         snapshot of it; a party's write may still have been in flight when it died, so a resume goes
         back to the latest step that every party holds on disk."""
-        try:
-            steps = self._checkpoint_steps()
-        except OSError as exc:
-            return f"the bank could not write its checkpoint ({exc})"
+        steps = self._checkpoint_steps()
         if not steps:
             return "no step is checkpointed by every party yet"
+        floor = self._floor()
+        common = "" if floor is None else f" (step {floor} at the last report)"
         return (f"the bank has checkpointed step {steps[-1]} (session {self.session_id}); a resume goes back to "
-                "the latest step every party holds")
+                f"the latest step every party holds{common}")
 
     # --- the loop --------------------------------------------------------------------------
 
     def run(self, resume: bool = False) -> TrainingOutcome:
         """Train from the start, or (``resume``) from the latest step every party has checkpointed."""
         started = time.perf_counter()
-        if resume:
+        if resume and self._checkpoint_steps():
             top, optimizer = self._reattach()
             self.top = top
             loop = self._rollback(LoopState(grads=[]), optimizer, "resuming after the bank stopped")
-        else:
+        else:  # a session the bank stopped before its first checkpoint starts again, the same way
+            if resume:
+                logger.warning("session %s: the bank has no checkpoint of it; starting it again", self.session_id)
             top, optimizer = self._start()
             self.top = top
             loop = LoopState(grads=[None] * len(self.parties))
+        finished = False
         try:
             while True:
+                # A party that restarted answers any call with Behind, up to the test evaluation: the
+                # weights it finished with must be the ones every party agrees on.
                 try:
                     self._train(loop, optimizer)
+                    test, scores = self._finish(loop)
                     break
-                except Behind as exc:
+                except (Behind, UnknownSession) as exc:  # a party restarted: behind, or before its first checkpoint
                     if self.checkpoint_dir is None:
                         raise
                     loop = self._rollback(loop, optimizer, exc)
                 except PeerUnavailable as exc:
                     raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc
-            self.progress("finishing: the best epoch's weights, the model files, the test rows", TRAINING_SHARE)
-            restore = self.config.restore_best and loop.best_top is not None
-            if restore:
-                top.load_state_dict(loop.best_top)
-            self.files = self._all(lambda p: p.finish(restore_best=restore))
-            self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
-            test, scores = self.evaluate(top, self.split.test)
-            if self.audit is not None:
-                self._record_embeddings(self.audit)
+                except StorageError as exc:  # a party's disk: stop now, the whole checkpoints stay for a resume
+                    who = "" if str(exc).startswith("partner ") else f"the bank {self.parties[0].name!r} "
+                    raise StorageError(f"{who}{exc}. Training stopped; {self._last_consistent()}") from exc
+            finished = True
         finally:
             for p in self.parties:
                 try:
-                    p.end()
-                except Exception:
-                    logger.warning("could not end the training session at %s", p.name)
+                    p.end(finished=finished)
+                except CutlayerError as exc:
+                    logger.warning("could not end the training session at %s: %s", p.name, exc)
             self._pool.shutdown(wait=False)
-            try:
-                self.writer.close()
-            except OSError as exc:
-                logger.warning("session %s: a checkpoint could not be written: %s", self.session_id, exc)
+            self.writer.close()
         return TrainingOutcome(
             session_id=self.session_id, history=loop.history, test_metrics=test, best_epoch=loop.best_epoch,
             steps=loop.step, split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
             timings={"total_seconds": time.perf_counter() - started, "rollbacks": self.rollbacks,
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )
+
+    def _finish(self, loop: LoopState) -> tuple[dict[str, float], np.ndarray]:
+        """Every party writes its model (the best epoch's, if asked); the test rows are scored."""
+        assert self.top is not None
+        self.progress("finishing: the best epoch's weights, the model files, the test rows", TRAINING_SHARE)
+        restore = self.config.restore_best and loop.best_top is not None
+        if restore:
+            self.top.load_state_dict(loop.best_top)
+        self.files = self._all(lambda p: p.finish(restore_best=restore))
+        self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
+        self.writer.check()
+        test, scores = self.evaluate(self.top, self.split.test)
+        if self.audit is not None:
+            self._record_embeddings(self.audit)
+        return test, scores
 
     def _train(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         """Train from ``loop``'s position to the end; ``loop`` always says where training stands."""

@@ -122,7 +122,8 @@ class BottomTrainer:
                 fastops.clear_grads(self._params)
                 fastops.backward(self._pending, grad)
                 fastops.optimizer_step(self.optimizer)
-                self._pending = None
+                # Both go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
+                self._pending, self._pending_index = None, None
             out = None
             if rows is not None:
                 if not self.model.training:

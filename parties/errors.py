@@ -6,6 +6,7 @@ The tree::
     ├── ConfigError                 a flag, setting or certificate is wrong
     ├── DataError                   a party's own data file is unusable
     │   └── DatasetUnavailable      the public dataset is neither cached nor downloadable
+    ├── StorageError                a party could not write its state (disk full, ...) -> 507
     ├── ProtocolError               a peer sent something we refuse (HTTP 4xx)
     │   ├── BadMessage              malformed, wrong size, wrong shape         -> 400
     │   ├── PayloadTooLarge         body over the configured limit             -> 413
@@ -47,6 +48,7 @@ __all__ = [
     "NotReady",
     "OutOfOrder",
     "PayloadTooLarge",
+    "StorageError",
     "PeerError",
     "PeerUnavailable",
     "PeerUntrusted",
@@ -71,6 +73,12 @@ class DataError(CutlayerError):
 
 class DatasetUnavailable(DataError):
     pass
+
+
+class StorageError(CutlayerError):
+    """Training state could not be written: training stops at once, the last whole checkpoints stay."""
+
+    status_code = 507
 
 
 class ProtocolError(CutlayerError):

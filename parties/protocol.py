@@ -21,6 +21,8 @@ __all__ = [
     "AlignmentInfo",
     "AlignmentRequest",
     "CheckpointList",
+    "SessionList",
+    "SessionSummary",
     "ErrorResponse",
     "RestoreRequest",
     "FinishRequest",
@@ -113,6 +115,21 @@ class ModelFiles(Message):
 class CheckpointList(Message):
     session: str
     steps: list[int]
+
+
+class SessionSummary(Message):
+    """A session a party holds, for its owner or operator: no rows, no IDs."""
+
+    kind: Literal["training", "psi"]
+    session: str
+    owner: str  # the bank that opened it
+    state: str  # partner: "live" (in memory); bank: "running", "stopped" (resumable), "finished", "ended"
+    idle_seconds: float | None = None
+    step: int | None = None  # training: the next step
+
+
+class SessionList(Message):
+    sessions: list[SessionSummary]
 
 
 class RestoreRequest(Message):

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from parties.bottom import BottomTrainer
-from parties.checkpoint import CheckpointWriter, read_checkpoint
+from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import BadMessage
+from parties.errors import BadMessage, OutOfOrder, StorageError
 from parties.features import TabularEncoder
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.model import BottomConfig
@@ -47,6 +47,9 @@ class PartySession:
         if positions.min() < 0 or positions.max() >= n or len(np.unique(positions)) != len(positions):
             raise BadMessage(f"train_rows must be distinct positions in [0, {n})")
         self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
+        self.train_digest = _digest(train_positions)
+        self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
+        self.owner = ""  # the bank that started it
         aligned = table.features.iloc[alignment.rows]
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
         self.privacy, self.monitor = privacy, monitor
@@ -56,17 +59,24 @@ class PartySession:
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
                     session_id, n, self.encoder.width, config.cut_width)
 
+    def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
+        """Whether this session was started with these arguments."""
+        return alignment_id == self.alignment_id and self.train_digest == _digest(train_positions)
+
     # --- checkpoints -----------------------------------------------------------------------
 
-    def checkpoint(self, folder: Path) -> int:
-        """Snapshot the state after the last processed step and write it in the background; returns that step."""
+    def checkpoint(self, folder: Path, floor: int | None = None) -> int:
+        """Snapshot the state after the last processed step and write it in the background; returns that step.
+
+        ``floor``: the newest step every party has on disk; older checkpoints may be deleted."""
         tensors, trainer_meta = self.trainer.state()
         step = trainer_meta["next_step"] - 1
         meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
+                "train_digest": self.train_digest, "owner": self.owner,
                 "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
                 "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
                 "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
-        self.writer.submit(folder, step, tensors, meta)
+        self.writer.submit(folder, step, tensors, meta, floor)
         return step
 
     def flush_checkpoints(self) -> None:
@@ -79,10 +89,14 @@ class PartySession:
     def restore(self, folder: Path, step: int) -> None:
         """Roll this session back (or forward) to its checkpoint at ``step``."""
         self.writer.flush()
+        if step not in (held := checkpoint_steps(folder)):
+            raise OutOfOrder(f"training session {self.session_id} has no checkpoint at step {step} to roll back "
+                             f"to; this party holds steps {held}")
         checkpoint = read_checkpoint(folder, step)
         if checkpoint.meta["session"] != self.session_id:
             raise BadMessage(f"the checkpoint at step {step} belongs to another session")
         self.trainer.load_state(checkpoint, checkpoint.meta["trainer"])
+        self.writer.reset(step)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, step: int, table: PartyTable, alignment: AlignedRows) -> PartySession:
@@ -100,7 +114,9 @@ class PartySession:
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
         self.trainer.load_state(checkpoint, meta["trainer"])
+        self.train_digest, self.restarted_at, self.owner = meta.get("train_digest"), step, meta.get("owner", "")
         self.writer = CheckpointWriter()
+        self.writer.durable = step
         self.last_used = time.monotonic()
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
         return self
@@ -115,8 +131,15 @@ class PartySession:
             "encoder.json": json.dumps(self.encoder.to_dict(), indent=2).encode(),
             "bottom-config.json": self.config.model_dump_json(indent=2).encode(),
         }
-        for name, data in blobs.items():
-            atomic_write_bytes(Path(directory) / name, data)
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
-        atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        try:
+            for name, data in blobs.items():
+                atomic_write_bytes(Path(directory) / name, data)
+            atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        except OSError as exc:
+            raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
         return digests
+
+
+def _digest(positions: torch.Tensor) -> str:
+    return hashlib.sha256(positions.numpy().astype("<i8").tobytes()).hexdigest()

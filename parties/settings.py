@@ -106,7 +106,10 @@ class PartnerSettings(ServiceSettings):
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="embedding DP (off without a clip)")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off at probe_every=0)")
-    max_training_sessions: int = Field(2, ge=1)
+    max_training_sessions: int = Field(2, ge=1, description="live training sessions at once")
+    training_session_ttl: float = Field(
+        3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"
+    )
 
     psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
     max_psi_sessions: int = Field(4, ge=1)

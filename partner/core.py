@@ -15,7 +15,7 @@ from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.session import PsiResponder, check_minimum
 from parties.dataset import AlignedRows, PartyTable
-from parties.errors import AlignmentMismatch, BadMessage, DataError, OutOfOrder, UnknownSession
+from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.privacy import EmbeddingDP
 from parties.scoring import ScoringBottom
 from parties.protocol import (
@@ -24,9 +24,11 @@ from parties.protocol import (
     PrivacyReport,
     PsiOpenRequest,
     PsiOpenResponse,
+    SessionList,
+    SessionSummary,
     TrainSessionInfo,
 )
-from parties.checkpoint import checkpoint_steps
+from parties.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.session import PartySession
 from parties.dataset import load_alignment, save_alignment
 from parties.settings import PartnerSettings
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 #: Longest a request waits for a computation before answering "not ready, retry".
 WAIT_SECONDS = 30.0
 MAX_SCORING_ALIGNMENTS = 4
+ENDED = "ended"  # in a training session's folder: the session is over and never comes back
 
 
 class PartnerCore:
@@ -51,6 +54,7 @@ class PartnerCore:
             hashed_points, table.normalized_ids, self.pool, settings.cache_dir
         )
         self._sessions: dict[str, PsiResponder] = {}
+        self._psi_owner: dict[str, str] = {}
         self._lock = threading.Lock()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self._training: dict[str, PartySession] = {}
@@ -59,15 +63,23 @@ class PartnerCore:
         # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
         self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.clip is not None else None
 
-    def open_session(self, request: PsiOpenRequest) -> PsiOpenResponse:
+    def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         with self._lock:
             self._expire()
             if len(self._sessions) >= self.settings.max_psi_sessions:
-                raise OutOfOrder(f"{len(self._sessions)} PSI sessions are open; finish or abort one first")
+                # A bank that abandoned its sessions (it crashed, or gave up) must still be able to align:
+                # its own least recently used session makes room. Other banks' sessions are never touched.
+                mine = [sid for sid in self._sessions if self._psi_owner.get(sid) == owner]
+                if not mine:
+                    raise OutOfOrder(f"{len(self._sessions)} PSI sessions are open; finish or abort one first")
+                oldest = min(mine, key=lambda sid: self._sessions[sid].last_used)
+                self._drop_psi(oldest)
+                logger.info("PSI session %s closed: its owner opened another with every slot taken", oldest)
         points = self._points.result()
         responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items)
         with self._lock:
             self._sessions[responder.session_id] = responder
+            self._psi_owner[responder.session_id] = owner
         logger.info("PSI session %s opened", responder.session_id)
         return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items)
 
@@ -81,8 +93,12 @@ class PartnerCore:
 
     def abort(self, session_id: str) -> None:
         with self._lock:
-            if self._sessions.pop(session_id, None) is not None:
+            if self._drop_psi(session_id):
                 logger.info("PSI session %s aborted", session_id)
+
+    def _drop_psi(self, session_id: str) -> bool:
+        self._psi_owner.pop(session_id, None)
+        return self._sessions.pop(session_id, None) is not None
 
     def commit(
         self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes, purpose: str = "training"
@@ -104,31 +120,45 @@ class PartnerCore:
         else:
             raise BadMessage(f"unknown purpose {purpose!r}")
         with self._lock:
-            self._sessions.pop(session_id, None)
+            self._drop_psi(session_id)
         logger.info("alignment %s committed: %d rows", alignment_id, len(rows))
         return AlignmentInfo(alignment_id=alignment_id, rows=len(rows))
 
     # --- training -------------------------------------------------------------------------
 
-    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> TrainSessionInfo:
+    def start_training(
+        self, session_id: str, alignment_id: str, train_positions: torch.Tensor, owner: str = ""
+    ) -> TrainSessionInfo:
         if not session_id or len(session_id) > 64:
             raise BadMessage("a session id is 1 to 64 characters")
+        if self._ended(session_id):
+            raise OutOfOrder(f"training session {session_id} has ended; start a new one")
         if self.alignment is None:
             raise OutOfOrder("no alignment yet: align before training")
         if alignment_id != self.alignment.alignment_id:
             raise OutOfOrder(f"alignment {alignment_id} is not this partner's current alignment")
         with self._lock:
-            if session_id in self._training:
-                raise OutOfOrder(f"training session {session_id} already exists")
-            if len(self._training) >= self.settings.max_training_sessions:
-                raise OutOfOrder("too many training sessions are open; finish or abort one first")
+            self._expire_training()
+            existing = self._training.get(session_id)
+            if existing is not None and not existing.started_with(alignment_id, train_positions):
+                raise OutOfOrder(f"training session {session_id} already exists, with other rows")
+            # The same start again (a retry, or the bank starting a run no party had checkpointed): the
+            # session starts afresh, seeded, as the first time.
+            if existing is None and len(self._training) >= self.settings.max_training_sessions:
+                raise OutOfOrder(f"{len(self._training)} training sessions are live; end one first "
+                                 f"(each idle one ends by itself after {self.settings.training_session_ttl:.0f}s)")
         privacy = self.settings.privacy if self.settings.privacy.clip is not None else None
         monitor = self.settings.monitor if self.settings.monitor.probe_every else None
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor
         )
+        session.owner = owner
+        remove_checkpoints(self.checkpoint_dir(session_id))  # an abandoned start's: a restart must not find them
         with self._lock:
+            previous = self._training.pop(session_id, None)
             self._training[session_id] = session
+        if previous is not None:
+            previous.close()
         return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
 
     def checkpoint_dir(self, session_id: str) -> Path:
@@ -136,17 +166,30 @@ class PartnerCore:
             raise BadMessage("a session id is letters and digits")
         return self.settings.state_path / "training" / session_id
 
-    def training(self, session_id: str) -> PartySession:
-        """The live session, or, after a restart, the session rebuilt from its latest checkpoint."""
+    def training(self, session_id: str, *, live: bool = True) -> PartySession:
+        """The live session, or, after a restart, the session rebuilt from its latest checkpoint.
+
+        A rebuilt session answers every call that ``live`` marks with ``Behind`` until the bank rolls
+        it back: whatever happened after its checkpoint (steps, the best weights marked) is gone, and
+        only a rollback of every party makes them agree again.
+        """
         with self._lock:
             session = self._training.get(session_id)
             if session is None:
                 session = self._from_checkpoint(session_id)
         session.last_used = time.monotonic()
+        if live and session.restarted_at is not None:
+            raise Behind(f"training session {session_id} restarted from its checkpoint at step "
+                         f"{session.restarted_at}; roll every party back first", session.trainer.next_step)
         return session
+
+    def _ended(self, session_id: str) -> bool:
+        return (self.checkpoint_dir(session_id) / ENDED).exists()
 
     def _from_checkpoint(self, session_id: str) -> PartySession:
         folder = self.checkpoint_dir(session_id)
+        if (folder / ENDED).exists():  # a finished session is never brought back
+            raise UnknownSession(f"training session {session_id} has ended")
         steps = checkpoint_steps(folder)
         if not steps or self.alignment is None:
             raise UnknownSession(f"no training session {session_id}")
@@ -155,15 +198,20 @@ class PartnerCore:
         return session
 
     def checkpoints(self, session_id: str) -> list[int]:
-        self.training(session_id).flush_checkpoints()
+        try:
+            self.training(session_id, live=False).flush_checkpoints()
+        except UnknownSession:  # restarted before its first checkpoint: it holds none
+            return []
         return checkpoint_steps(self.checkpoint_dir(session_id))
 
-    def checkpoint(self, session_id: str) -> int:
+    def checkpoint(self, session_id: str, floor: int | None = None) -> int:
         session = self.training(session_id)
-        return session.checkpoint(self.checkpoint_dir(session_id))
+        return session.checkpoint(self.checkpoint_dir(session_id), floor)
 
     def restore(self, session_id: str, step: int) -> None:
-        self.training(session_id).restore(self.checkpoint_dir(session_id), step)
+        session = self.training(session_id, live=False)
+        session.restore(self.checkpoint_dir(session_id), step)
+        session.restarted_at = None
 
     def privacy(self, session_id: str) -> PrivacyReport:
         dp = self.training(session_id).trainer.dp
@@ -177,12 +225,57 @@ class PartnerCore:
         logger.info("training session %s finished; model written", session_id)
         return ModelFiles(session=session_id, files=files)
 
-    def end_training(self, session_id: str) -> None:
+    def end_training(self, session_id: str, finished: bool = True) -> None:
+        """``finished``: the session is over, for good (its checkpoints go, it can never come back);
+        otherwise it is only unloaded, and stays resumable from its checkpoints."""
+        folder = self.checkpoint_dir(session_id)
         with self._lock:
             session = self._training.pop(session_id, None)
         if session is not None:
             session.close()
+        if finished:
+            if folder.is_dir() or session is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ENDED).write_text("")
+                remove_checkpoints(folder)
             logger.info("training session %s ended", session_id)
+        elif session is not None:
+            logger.info("training session %s unloaded; it stays resumable from its checkpoints", session_id)
+
+    def _expire_training(self) -> None:
+        now = time.monotonic()
+        for sid, session in list(self._training.items()):
+            if now - session.last_used > self.settings.training_session_ttl:
+                del self._training[sid]
+                session.close()
+                logger.info("training session %s expired; it stays resumable from its checkpoints", sid)
+
+    # --- sessions, for their owner and for this partner's operator ----------------------------
+
+    def sessions(self, owner: str | None = None) -> SessionList:
+        """The live sessions (every one, or ``owner``'s), after expiring the idle ones."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire()
+            self._expire_training()
+            out = [SessionSummary(kind="training", session=sid, owner=s.owner, state="live",
+                                  idle_seconds=round(now - s.last_used, 3), step=s.trainer.next_step)
+                   for sid, s in self._training.items()]
+            out += [SessionSummary(kind="psi", session=sid, owner=self._psi_owner.get(sid, ""), state="live",
+                                   idle_seconds=round(now - r.last_used, 3))
+                    for sid, r in self._sessions.items()]
+        return SessionList(sessions=[s for s in out if owner is None or s.owner == owner])
+
+    def end_session(self, session_id: str) -> None:
+        """This partner's operator ends a session for good: a PSI session, or a training session."""
+        with self._lock:
+            psi = session_id in self._sessions
+        if psi:
+            self.abort(session_id)
+            return
+        if session_id not in self._training and not checkpoint_steps(self.checkpoint_dir(session_id)):
+            raise UnknownSession(f"no session {session_id}")
+        self.end_training(session_id, finished=True)
 
     # --- scoring with a trained model -------------------------------------------------------
 
@@ -222,7 +315,7 @@ class PartnerCore:
         now = time.monotonic()
         for sid, r in list(self._sessions.items()):
             if now - r.last_used > self.settings.psi_session_ttl:
-                del self._sessions[sid]
+                self._drop_psi(sid)
                 logger.info("PSI session %s expired", sid)
 
     def close(self) -> None:

@@ -29,9 +29,11 @@ from parties.protocol import (
     PsiOpenRequest,
     PsiOpenResponse,
     RestoreRequest,
+    SessionList,
     TrainSessionInfo,
 )
 from parties.settings import PartnerSettings
+from parties.tls import PeerIdentity
 from parties.wire import SAFETENSORS, WireMessage, decode, encode
 from partner.core import WAIT_SECONDS, PartnerCore
 
@@ -54,8 +56,10 @@ def _octets(data: bytes) -> Response:
 
 
 @psi.post("", response_model=PsiOpenResponse)
-async def open_session(body: PsiOpenRequest, c: PartnerCore = Depends(core)) -> PsiOpenResponse:
-    return await run_in_threadpool(c.open_session, body)
+async def open_session(
+    body: PsiOpenRequest, who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)
+) -> PsiOpenResponse:
+    return await run_in_threadpool(c.open_session, body, who.name)
 
 
 @psi.put("/{session_id}/blinded/{index}", status_code=204)
@@ -130,30 +134,42 @@ def _tensors(tensors: dict[str, torch.Tensor], **meta: object) -> Response:
     return Response(content=encode(tensors, **meta), media_type=SAFETENSORS)
 
 
+@train.get("", response_model=SessionList)
+async def my_sessions(who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)) -> SessionList:
+    """The calling bank's live sessions (a bank restarted after a crash finds what it left)."""
+    return c.sessions(owner=who.name)
+
+
 @train.post("", response_model=TrainSessionInfo)
-async def start_training(request: Request, c: PartnerCore = Depends(core)) -> TrainSessionInfo:
+async def start_training(
+    request: Request, who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)
+) -> TrainSessionInfo:
     message = await _message(request, c, {"train_rows": torch.int64}, None)
     rows = message.get("train_rows")
     if rows is None:
         raise BadMessage("the message carries no train_rows")
     session, alignment = message.meta.get("session", ""), message.meta.get("alignment", "")
-    return await run_in_threadpool(c.start_training, session, alignment, rows)
+    return await run_in_threadpool(c.start_training, session, alignment, rows, who.name)
 
 
 def step(request: HotRequest) -> HotResponse:
     """One training step: a hot route (``parties.hotpath``), run on the event loop."""
     c: PartnerCore = request.state.core
     session_id = request.params["session_id"]
-    trainer = c.training(session_id).trainer
+    session = c.training(session_id)
+    session.writer.check()  # this partner's last checkpoint failed: the bank stops at this step
     # BottomTrainer.step checks the gradient's finiteness itself.
     message = _checked(request.body, {"grad": torch.float32, "rows": torch.int64}, session_id, check_finite=False)
     number = message.int_meta("step")
-    z = trainer.step(number, message.get("grad"), message.get("rows"))
-    body = encode({} if z is None else {"embedding": z}, session=session_id, step=number)
+    floor = message.int_meta("keep_from") if "keep_from" in message.meta else None
+    z = session.trainer.step(number, message.get("grad"), message.get("rows"))
+    # The answer says which step this partner has on disk: the bank's retention counts on it.
+    durable = {} if session.writer.durable is None else {"durable": session.writer.durable}
+    body = encode({} if z is None else {"embedding": z}, session=session_id, step=number, **durable)
     # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
     # the event loop reads the next request: the same state, off the bank's critical path.
     checkpoint = message.meta.get("checkpoint") == "1"
-    return HotResponse(body, SAFETENSORS, after=(lambda: c.checkpoint(session_id)) if checkpoint else None)
+    return HotResponse(body, SAFETENSORS, after=(lambda: c.checkpoint(session_id, floor)) if checkpoint else None)
 
 
 @train.post("/{session_id}/embed")
@@ -195,8 +211,9 @@ async def privacy(session_id: str, c: PartnerCore = Depends(core)) -> PrivacyRep
 
 
 @train.delete("/{session_id}", status_code=204)
-async def end_training(session_id: str, c: PartnerCore = Depends(core)) -> Response:
-    c.end_training(session_id)
+async def end_training(session_id: str, finished: bool = True, c: PartnerCore = Depends(core)) -> Response:
+    """``finished=false``: unload the session only (the bank's run stopped; it stays resumable)."""
+    await run_in_threadpool(c.end_training, session_id, finished)
     return Response(status_code=204)
 
 
@@ -217,6 +234,19 @@ async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = De
         raise BadMessage("the message carries no rows")
     z = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
     return _tensors({"embedding": z}, model=model_id)
+
+
+@admin.get("/sessions", response_model=SessionList)
+async def sessions(c: PartnerCore = Depends(core)) -> SessionList:
+    """Every live session, PSI and training, whichever bank opened it."""
+    return c.sessions()
+
+
+@admin.delete("/sessions/{session_id}", status_code=204)
+async def end_session(session_id: str, c: PartnerCore = Depends(core)) -> Response:
+    """End a session for good (an abandoned one): a training session's checkpoints go with it."""
+    await run_in_threadpool(c.end_session, session_id)
+    return Response(status_code=204)
 
 
 @admin.get("/alignment", response_model=AlignmentInfo)
