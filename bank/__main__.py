@@ -264,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
         for partner, count in result.get("scored_without", {}).items():
             print(f"  of which {count} scored without {partner} (it does not hold them; its embedding was set to zero)")
+        for party, columns in result.get("fallbacks", {}).items():
+            for column, counts in columns.items():
+                took = ", ".join(f"{n} {policy}" for policy, n in counts.items())
+                print(f"  {party} column {column!r}: {took} (encoded by the model's declared policy)")
         return 0
     if args.command == "align":
         request = AlignmentRequest(

@@ -48,8 +48,9 @@ from parties.protocol import (
     RestoreRequest,
     TrainSessionInfo,
 )
+from parties.features import Fallbacks, parse_fallbacks
 from parties.tls import handshake_failure
-from parties.wire import SAFETENSORS, decode, encode
+from parties.wire import SAFETENSORS, WireMessage, decode, encode
 
 
 class TrainingParty(Protocol):
@@ -288,7 +289,9 @@ class HttpPartner:
         return self._send_tensors(path, what, tensors, **meta)()
 
     def _embedding(self, content: bytes, rows: int, what: str) -> torch.Tensor:
-        message = decode(content, {"embedding": torch.float32})
+        return self._embedding_of(decode(content, {"embedding": torch.float32}), rows, what)
+
+    def _embedding_of(self, message: WireMessage, rows: int, what: str) -> torch.Tensor:
         z = message.get("embedding")
         if z is None or tuple(z.shape) != (rows, self.width):
             shape = None if z is None else tuple(z.shape)
@@ -342,10 +345,19 @@ class HttpPartner:
         self._call("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
         self.width = width
 
-    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
+    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
+        """The partner's embeddings of the rows at ``positions``, and its count of values that took a policy."""
         content = self._post_tensors(f"/models/{model_id}/embed", "scoring embeddings", {"rows": positions},
                                      alignment=alignment_id)
-        return self._embedding(content, positions.numel(), "scoring embeddings")
+        message = decode(content, {"embedding": torch.float32})
+        z = self._embedding_of(message, positions.numel(), "scoring embeddings")
+        try:
+            fallbacks = parse_fallbacks(message.meta.get("fallbacks", ""))
+        except ValueError as exc:
+            raise PeerError(f"partner {self.name!r} sent unusable fallback counts: {exc}") from exc
+        if any(n > positions.numel() for counts in fallbacks.values() for n in counts.values()):
+            raise PeerError(f"partner {self.name!r} counted more fallbacks than rows it embedded")
+        return z, fallbacks
 
     def privacy(self) -> PrivacyReport:
         response = self._call("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")

@@ -89,12 +89,18 @@ def load_party_table(
     id_column: str,
     label_column: str | None = None,
     schema_path: Path | None = None,
+    *,
+    schema: FeatureSchema | None = None,
+    missing_numbers: bool = False,
 ) -> PartyTable:
     """Load and validate a party's CSV.
 
-    The schema (numeric vs categorical columns) comes from ``schema_path``,
-    else ``<file>.schema.json`` beside the CSV, else is inferred: a column is
-    numeric when every value parses as a number.
+    The schema (numeric vs categorical columns) is ``schema`` (a trained
+    model's, at scoring), else comes from ``schema_path``, else
+    ``<file>.schema.json`` beside the CSV, else is inferred: a column is
+    numeric when every value parses as a number. ``missing_numbers``: an
+    empty numeric cell is kept as missing (scoring imputes it, and counts
+    it) instead of refused.
     """
     path = Path(path)
     if not path.is_file():
@@ -136,15 +142,25 @@ def load_party_table(
             )
 
     feature_cols = [c for c in columns if c not in (id_column, label_column)]
-    schema = _schema(path, schema_path, frame, feature_cols)
+    if schema is None:
+        schema = _schema(path, schema_path, frame, feature_cols)
+    else:
+        absent = [c for c in schema.columns if c not in frame.columns]
+        if absent:
+            raise DataError(f"{path}: the model needs the columns {absent} (columns: {', '.join(columns)})")
     features = frame[list(schema.columns)].copy()
     for col in schema.numeric:
-        parsed = pd.to_numeric(features[col].str.strip(), errors="coerce")
-        bad = parsed.isna() | ~parsed.abs().lt(float("inf"))
-        if bad.any():
-            raise DataError(
-                f"{path}: column {col!r} is numeric but row {_row(int(bad.to_numpy().argmax()))} is not a finite number"
-            )
+        text = features[col].str.strip()
+        parsed = pd.to_numeric(text, errors="coerce")
+        empty = (text == "").to_numpy()
+        kinds = {"empty": empty & ~missing_numbers, "text": parsed.isna().to_numpy() & ~empty,
+                 "infinite": np.isinf(parsed.to_numpy(dtype=np.float64))}
+        bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
+        if bad:
+            problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
+                                 for kind, mask in bad.items())
+            raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
+                            f"{problems}")
         features[col] = parsed.astype("float64")
     logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
     return PartyTable(

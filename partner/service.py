@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -215,8 +216,8 @@ async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = De
     rows = message.get("rows")
     if rows is None:
         raise BadMessage("the message carries no rows")
-    z = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
-    return _tensors({"embedding": z}, model=model_id)
+    z, fallbacks = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
+    return _tensors({"embedding": z}, model=model_id, fallbacks=json.dumps(fallbacks))
 
 
 @admin.get("/alignment", response_model=AlignmentInfo)
