@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "flags given here override it")
     t.add_argument("--print-config", action="store_true",
                    help="print every training setting with its default, as JSON to edit for --config, and exit")
+    t.add_argument("--task", choices=["binary", "multiclass", "regression"], default=None,
+                   help=f"what the label is (default {default_of(TrainingConfig, 'task')}); regression learns "
+                        "a standardised target and reports metrics in the label's own units")
+    t.add_argument("--positive-label", default=None,
+                   help="binary: the label value that counts as positive (default: 'yes' if present, else the "
+                        "second in sorted order)")
     t.add_argument("--epochs", type=int, default=None,
                    help=f"at most this many epochs (default {default_of(TrainingConfig, 'epochs')}; "
                         f"early stopping after {default_of(TrainingConfig, 'patience')} without improvement)")
@@ -240,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
     if args.command == "train":
-        config = _training_config(args.config, epochs=args.epochs, batch_size=args.batch_size,
+        config = _training_config(args.config, task=args.task, positive_label=args.positive_label,
+                                  epochs=args.epochs, batch_size=args.batch_size,
                                   aggregation=args.aggregation, seed=args.seed, audit=args.audit)
         with BankOperator(args.url, tls, args.name) as operator:
             job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)

@@ -82,7 +82,7 @@ def score_customers(
     missing = [c for c in own.encoder.schema.columns if c not in table.features.columns]
     if missing:
         raise DataError(f"{table.path}: the model needs the bank's columns {missing}")
-    task = Task(manifest.task["kind"], manifest.task["positive_label"], list(manifest.task["classes"]))
+    task = Task.from_dict(manifest.task)
     aggregation = get_aggregation(manifest.aggregation)
     names = [p.name for p in manifest.parties]
     if set(names[1:]) != set(partners):

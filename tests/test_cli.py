@@ -93,6 +93,7 @@ MODEL_DEFAULTS = {
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
     ("bank serve", "--label"): _field(BankSettings, "label"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
+    ("bank train", "--task"): _field(TrainingConfig, "task"),
     ("bank train", "--batch-size"): _field(TrainingConfig, "batch_size"),
     ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
