@@ -28,7 +28,6 @@ from parties.cli import (
     run_cli,
     service_values,
 )
-from parties.dataset import load_party_table
 from parties.errors import ConfigError
 from parties.model import BottomConfig
 from parties.protocol import AlignmentRequest, JobStatus
@@ -91,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the bank's coordinator endpoints")
     add_service_arguments(s)
-    s.add_argument("--label", default=None, help=f"label column (default {default_of(BankSettings, 'label')})")
+    s.add_argument("--label", default=None, help="label column (default: the schema file's, else y)")
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
 
     a = sub.add_parser("align", help="align customers with every partner, through the running bank service")
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_process_settings(settings.torch_threads, settings.cpus)
         if settings.insecure:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
-        table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
+        table = settings.load_table()
         start_fork_server(settings.workers)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0

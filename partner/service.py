@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from parties.app import create_party_app, read_body, require_role, require_self
-from parties.dataset import PartyTable, load_party_table
+from parties.dataset import PartyTable
 from parties.errors import BadMessage, OutOfOrder
 from parties.hotpath import HotRequest, HotResponse, HotRoute
 from parties.protocol import (
@@ -232,7 +232,7 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = table or load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)
+        loaded = table or settings.load_table()
         app.state.core = PartnerCore(settings, loaded)
         try:
             yield

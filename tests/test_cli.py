@@ -22,7 +22,7 @@ from parties.hijack import MonitorConfig
 from parties.cli import run_cli
 from parties.model import BottomConfig
 from parties.privacy import PrivacyConfig
-from parties.settings import BankSettings, ServiceSettings
+from parties.settings import ServiceSettings
 
 PARSERS = {
     "bank": bank_cli.build_parser,
@@ -91,7 +91,6 @@ MODEL_DEFAULTS = {
     ("partner serve", "--dp-noise"): _field(PrivacyConfig, "noise"),
     ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
-    ("bank serve", "--label"): _field(BankSettings, "label"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
     ("bank train", "--task"): _field(TrainingConfig, "task"),
     ("bank train", "--batch-size"): _field(TrainingConfig, "batch_size"),
@@ -99,7 +98,7 @@ MODEL_DEFAULTS = {
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
     ("bank walkthrough", "--epochs"): _field(TrainingConfig, "epochs"),
     **{(f"{role} serve", flag): _field(ServiceSettings, field) for role in ("bank", "partner")
-       for flag, field in (("--id-column", "id_column"), ("--host", "host"), ("--port", "port"),
+       for flag, field in (("--host", "host"), ("--port", "port"),
                            ("--torch-threads", "torch_threads"), ("--min-intersection", "min_intersection"))},
 }
 
