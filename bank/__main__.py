@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run", type=Path, nargs="?", default=None,
                    help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
+    r.add_argument("--partition", type=Path, default=None,
+                   help="the folder python -m data partition wrote, for the references (default: RUN/data, "
+                        "as the walkthrough keeps it)")
     _add_log_level(r)
 
     ps = sub.add_parser("privacy-study", help="measure every defense's price and effect (simulation only)")
@@ -209,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         from bank.analysis import load_run, write_report
 
         run = load_run(args.run)
-        report = write_report(run, references=not args.no_references)
+        report = write_report(run, references=not args.no_references, partition=args.partition)
         for name, table in report["tables"].items():
             print(f"\n== {name}\n{table.to_string(index=False)}")
+        for note in report["notes"]:
+            print(f"\n{note}")
         print(f"\nwritten to {run.path / 'analysis'}")
         return 0
     if args.command == "privacy-study":

@@ -186,8 +186,7 @@ class BankCore:
 
     def score(self, model_id: str, upload: Path, allow_missing: bool, progress: Progress) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
-        table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name),
-                                 missing_numbers=True)
+        table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name))
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             result = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,

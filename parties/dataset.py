@@ -119,7 +119,7 @@ def load_party_table(
     categorical: Sequence[str] = (),
     numeric: Sequence[str] = (),
     schema: FeatureSchema | None = None,
-    missing_numbers: bool = False,
+    missing_numbers: bool = True,
 ) -> PartyTable:
     """Load and validate a party's table (CSV or Parquet).
 
@@ -128,8 +128,8 @@ def load_party_table(
     file's, else ``y``. The feature kinds are ``schema`` (a trained model's, at
     scoring), else the schema file (``schema_path``, else ``<file>.schema.json``
     beside the data), else inferred; ``categorical``/``numeric`` override either.
-    ``missing_numbers``: an empty numeric cell is kept as missing (scoring
-    imputes it, and counts it) instead of refused.
+    ``missing_numbers``: an empty numeric cell is kept as missing (the
+    encoder imputes the training mean, and counts it); ``False`` refuses it.
     """
     path = Path(path)
     if not path.is_file():
@@ -194,6 +194,11 @@ def load_party_table(
                             f"{problems}")
         features[col] = parsed.astype("float64")
     logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
+    for col in schema.numeric:
+        missing = int(features[col].isna().sum())
+        if missing:
+            logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
+                        path.name, col, missing)
     return PartyTable(
         path=path,
         id_column=id_column,

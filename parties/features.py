@@ -16,6 +16,7 @@ import pandas as pd
 
 from parties.dataset import FeatureSchema
 from parties.errors import DataError
+from parties.schema import POLICIES
 
 __all__ = ["Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
 
@@ -23,6 +24,7 @@ __all__ = ["Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "p
 #: ``{"job": {"unseen category": 3}, "balance": {"missing: training mean": 1}}``.
 Fallbacks = dict[str, dict[str, int]]
 
+SCHEMA_VERSION = 1
 UNSEEN = "unseen category"
 MISSING_CATEGORY = "missing category"
 MISSING_NUMBER = "missing: training mean"
@@ -61,9 +63,11 @@ class TabularEncoder:
         if frame.empty:
             raise DataError("cannot fit the feature encoder on zero rows")
         for col in self.schema.numeric:
-            values = frame[col].to_numpy(dtype=np.float64)
-            self.means_[col] = float(values.mean())
-            std = float(values.std())
+            values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=np.float64)
+            if np.isnan(values).all():
+                raise DataError(f"column {col!r} has no value in the training rows to fit its mean and scale on")
+            self.means_[col] = float(np.nanmean(values))
+            std = float(np.nanstd(values))
             self.scales_[col] = std if std > 0 else 1.0
         for col in self.schema.categorical:
             self.categories_[col] = sorted(category_text(frame[col]).unique().tolist())
@@ -86,8 +90,8 @@ class TabularEncoder:
         """The encoded rows, and per column the values that took a policy.
 
         Policies: an unseen (or missing) category encodes as all zeros, the one-hot's "unknown"
-        slot; a missing number as the training mean (z-score 0). Training rows never take one:
-        the encoder is fitted on them, and a party's own table refuses missing numbers.
+        slot; a missing number as the training mean (z-score 0). A training row's category was
+        seen (the encoder is fitted on them); its missing numbers take the mean as well.
         """
         if not self.categories_ and self.schema.categorical:
             raise DataError("the encoder is not fitted")
@@ -119,6 +123,8 @@ class TabularEncoder:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema_version": SCHEMA_VERSION,
+            "policies": POLICIES,
             "numeric": list(self.schema.numeric),
             "categorical": list(self.schema.categorical),
             "categories": self.categories_,

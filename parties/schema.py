@@ -32,7 +32,7 @@ DEFAULT_LABEL = "y"
 POLICIES = {
     "unseen_category": "all-zero one-hot (the 'unknown' slot), counted",
     "missing_category": "all-zero one-hot (the 'unknown' slot), counted",
-    "missing_number": "the training mean, counted (scoring only: a party's own table refuses missing numbers)",
+    "missing_number": "the mean of the training rows' values, counted",
 }
 
 
@@ -71,7 +71,7 @@ def read_schema(path: Path) -> PartySchema | None:
 
 def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Sequence[str] = (),
                 numeric: Sequence[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(numeric, categorical): a column is numeric when every value parses as a number, unless overridden.
+    """(numeric, categorical): a column is numeric when every value present parses as a number, unless overridden.
 
     Integer codes (a sex, a status, a region code) parse as numbers; name them with ``categorical``.
     """
@@ -88,6 +88,8 @@ def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Seq
         elif col in numeric:
             kinds[col] = "numeric"
         else:
-            parsed = pd.to_numeric(frame[col].astype(str).str.strip(), errors="coerce")
-            kinds[col] = "numeric" if parsed.notna().all() else "categorical"
+            text = frame[col].astype(str).str.strip()
+            present = text[text != ""]  # a missing value says nothing about the column's kind
+            parsed = pd.to_numeric(present, errors="coerce")
+            kinds[col] = "numeric" if len(present) and parsed.notna().all() else "categorical"
     return (tuple(c for c in columns if kinds[c] == "numeric"), tuple(c for c in columns if kinds[c] == "categorical"))

@@ -45,10 +45,10 @@ def test_unparsable_numeric_values_name_column_kind_count_and_row(write_csv, tmp
     with pytest.raises(DataError, match=r"p.csv: column 'balance' is numeric, but holds values that are not finite "
                                         r"numbers: 1 empty \(first at row 4\), 2 text \(first at row 3\), "
                                         r"1 infinite \(first at row 6\)"):
-        load_party_table(path, "customer_id")
-    # At scoring, an empty cell is a missing value the encoder imputes (and counts); text still is not a number.
+        load_party_table(path, "customer_id", missing_numbers=False)
+    # By default an empty cell is a missing value the encoder imputes (and counts); text still is not a number.
     with pytest.raises(DataError, match=r"2 text \(first at row 3\), 1 infinite"):
-        load_party_table(path, "customer_id", missing_numbers=True)
+        load_party_table(path, "customer_id")
 
 
 def test_empty_and_missing_files(tmp_path: Path) -> None:
