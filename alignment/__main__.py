@@ -1,4 +1,4 @@
-"""``python -m alignment bench``: measure PSI on this machine."""
+"""python -m alignment: private set intersection tools (bench: measure PSI on this machine)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 from alignment.bench import format_result, run_bench, to_json
-from parties.cli import configure_logging, description, run_cli
+from parties.cli import command, configure_logging, description, run_cli
 from parties.files import atomic_write_text
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m alignment", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="run both PSI roles here and report time, bytes and rates")
+    b = command(sub, "bench", "run both PSI roles here and report time, bytes and rates")
     b.add_argument("--size", type=int, default=1 << 16, help="IDs per party (default %(default)s; the target is 1048576)")
     b.add_argument("--overlap", type=float, default=0.5,
                    help="share of each party's IDs the other also holds (default %(default)s)")

@@ -20,6 +20,7 @@ from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
 from alignment.parallel import start_fork_server
 from parties.cli import (
+    command,
     add_service_arguments,
     apply_process_settings,
     configure_logging,
@@ -88,26 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bank", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve the bank's coordinator endpoints")
+    s = command(sub, "serve", "serve the bank's coordinator endpoints")
     add_service_arguments(s)
     s.add_argument("--label", default=None, help="label column (default: the schema file's, else y)")
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
+    s.add_argument("--peer-retry-deadline", type=float, default=None,
+                   help=f"seconds a silent partner is retried (it may be restarting) before training stops "
+                        f"(default {default_of(BankSettings, 'peer_retry_deadline')})")
 
-    a = sub.add_parser("align", help="align customers with every partner, through the running bank service")
+    a = command(sub, "align", "align customers with every partner, through the running bank service")
     _add_operator_arguments(a)
     a.add_argument("--partners", default=None, help="comma-separated subset of partners (default: every one)")
     a.add_argument("--min-intersection", type=int, default=None,
                    help="refuse an intersection smaller than this (default: the service's --min-intersection)")
     _add_log_level(a)
 
-    t = sub.add_parser("train", help="train across every partner, through the running bank service",
+    t = command(sub, "train", "train across every partner, through the running bank service",
                        epilog=_config_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_operator_arguments(t)
     t.add_argument("--config", type=Path, default=None,
                    help="a JSON file of training settings (see below; --print-config shows them all); "
                         "flags given here override it")
     t.add_argument("--print-config", action="store_true",
-                   help="print every training setting with its default, as JSON to edit for --config, and exit")
+                   help="print the training settings this command would use (defaults, --config, flags) as "
+                        "JSON to edit for --config, and exit")
     t.add_argument("--task", choices=["binary", "multiclass", "regression"], default=None,
                    help=f"what the label is (default {default_of(TrainingConfig, 'task')}); regression learns "
                         "a standardised target and reports metrics in the label's own units")
@@ -128,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
 
-    sc = sub.add_parser("score", help="score new customers with a trained model, through the running bank service")
+    sc = command(sub, "score", "score new customers with a trained model, through the running bank service")
     _add_operator_arguments(sc)
     sc.add_argument("--model", required=True, help="the model id (its training session)")
     sc.add_argument("--data", type=Path, required=True, help="CSV of customer IDs and the bank's own columns")
@@ -137,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="score customers a partner lacks without that partner (its embedding set to zero)")
     _add_log_level(sc)
 
-    r = sub.add_parser("report", help="write a run's analysis (tables as CSV, figures as PNG) without the notebook")
+    r = command(sub, "report", "write a run's analysis (tables as CSV, figures as PNG) without the notebook")
     r.add_argument("run", type=Path, nargs="?", default=None,
                    help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
@@ -146,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as the walkthrough keeps it)")
     _add_log_level(r)
 
-    ps = sub.add_parser("privacy-study", help="measure every defense's price and effect (simulation only)")
+    ps = command(sub, "privacy-study", "measure every defense's price and effect (simulation only)")
     ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
     ps.add_argument("--epochs", type=int, default=10, help="epochs per setting (default %(default)s)")
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(ps)
 
-    b = sub.add_parser("bench", help="time split training against the unsplit model, side by side")
+    b = command(sub, "bench", "time split training against the unsplit model, side by side")
     b.add_argument("--epochs", type=int, default=4, help="epochs per round (default %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
@@ -164,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
     _add_log_level(b)
 
-    w = sub.add_parser("walkthrough", help="run the bank-marketing walkthrough end to end")
+    w = command(sub, "walkthrough", "run the bank-marketing walkthrough end to end")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
     w.add_argument("--partners", type=int, default=1,
                    help="spread the partner columns over N partners, each its own service (default %(default)s)")
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.command == "serve":
         settings = load_settings(
-            BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner)
+            BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner),
+            peer_retry_deadline=args.peer_retry_deadline,
         )
         assert isinstance(settings, BankSettings)
         apply_process_settings(settings.torch_threads, settings.cpus)
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(bench_json(figures) + "\n")
         return 0
     if args.command == "train" and args.print_config:
-        print(TrainingConfig().model_dump_json(indent=2))
+        print(_train_config(args).model_dump_json(indent=2))
         return 0
     if args.command in ("align", "train", "score"):
         if args.url is None:
@@ -250,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
         tls = None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
     if args.command == "train":
-        config = _training_config(args.config, task=args.task, positive_label=args.positive_label,
-                                  epochs=args.epochs, batch_size=args.batch_size,
-                                  aggregation=args.aggregation, seed=args.seed, audit=args.audit)
+        config = _train_config(args)
         with BankOperator(args.url, tls, args.name) as operator:
             job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
             result = _follow(operator, job, "training")
@@ -302,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_summary(out, summary)
     return 0
+
+
+def _train_config(args: argparse.Namespace) -> TrainingConfig:
+    """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
+    return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
+                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit)
 
 
 def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ __all__ = [
     "learning_curves",
     "load_run",
     "party_times",
+    "privacy_study",
     "resolve_run",
     "roc_pr_curves",
     "write_report",
@@ -237,6 +238,17 @@ def leakage_figure(leakage: pd.DataFrame) -> Figure:
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def privacy_study(run: Run) -> dict[str, Any] | None:
+    """The privacy study saved under ``<run>/privacy`` (``python -m bank privacy-study --out``), if any:
+    its table, the hijack monitor's rates and the trade-off figure."""
+    folder = run.path / "privacy"
+    if not (folder / "privacy_study.csv").exists():
+        return None
+    return {"table": pd.read_csv(folder / "privacy_study.csv"),
+            "hijack_monitor": pd.read_csv(folder / "hijack_monitor.csv"),
+            "figure": folder / "privacy_tradeoff.png"}
 
 
 def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0,

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
+from data.uci import locate_bank_full
 from parties.files import atomic_write_text
 from parties.process import ServiceProcess
 from parties.protocol import JobStatus
@@ -80,6 +81,7 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    locate_bank_full(config.cache_dir, download=config.download)  # a missing file is one line, before any bar
     with tqdm(total=4, desc="walkthrough", unit="step", position=0) as steps:
         steps.set_postfix_str("preparing per-party files")
         paths = prepare_bank_marketing(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
 from data.prepare import prepare_bank_marketing
-from data.uci import BANK_MARKETING_URL, cache_dir, locate_bank_full
-from parties.cli import configure_logging, description, run_cli
+from data.uci import BANK_MARKETING_URL, locate_bank_full
+from parties.cli import command, configure_logging, description, run_cli
 from parties.dataset import load_party_table
 from parties.errors import ConfigError
 from parties.schema import PartySchema, sidecar_path
@@ -25,15 +25,18 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+CACHE_HELP = "where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    fetch = sub.add_parser("fetch", help="put a verified bank-full.csv into the data cache")
-    fetch.add_argument("--cache-dir", type=Path, default=None, help=f"default: $CUTLAYER_DATA_DIR or {cache_dir()}")
+    fetch = command(sub, "fetch", "put a verified bank-full.csv into the data cache")
+    fetch.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     fetch.add_argument("--url", default=BANK_MARKETING_URL, help="the UCI archive (default %(default)s)")
 
-    bm = sub.add_parser("bank-marketing", help="write the walkthrough's per-party files")
+    bm = command(sub, "bank-marketing", "write the walkthrough's per-party files")
     bm.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
     bm.add_argument("--partners", type=int, default=1, help="spread the partner columns over N partners (default %(default)s)")
     bm.add_argument("--partner-names", default=None, help="comma-separated names, one per partner")
@@ -44,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--partner-coverage", type=float, default=0.90,
                     help="share of the customers each partner holds (default %(default)s)")
     bm.add_argument("--cache-dir", type=Path, default=None,
-                    help="where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)")
+                    help=CACHE_HELP)
+    bm.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     bm.add_argument("--no-download", action="store_true", help="fail instead of downloading")
 
-    gen = sub.add_parser("partition", help="split any CSV vertically")
+    gen = command(sub, "partition", "split any CSV vertically")
     gen.add_argument("--csv", type=Path, required=True, help="the whole table, one row per customer")
     gen.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
     gen.add_argument("--sep", default=None, help="field separator (default: ';' or ',' from the header)")
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="seed of who holds which customer (default %(default)s)")
     gen.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
-    sch = sub.add_parser("schema", help="show a table's schema (inferred, or its schema file) and write one to edit")
+    sch = command(sub, "schema", "show a table's schema (inferred, or its schema file) and write one to edit")
     sch.add_argument("file", type=Path, help="a party's CSV or Parquet file")
     sch.add_argument("--id-column", default=None, help="the customer ID column (default: the schema file's, else customer_id)")
     sch.add_argument("--label", default=None, help="the label column, for the bank's table (default: none)")

@@ -89,5 +89,6 @@ def locate_bank_full(directory: Path | None = None, *, download: bool = True, ur
             )
         return path
     if not download:
-        raise DatasetUnavailable(f"{path} does not exist and downloading is off")
+        raise DatasetUnavailable(f"{path} does not exist and downloading is off: drop --no-download, or put "
+                                 f"{BANK_FULL_NAME} there (or in the folder $CUTLAYER_DATA_DIR names)")
     return download_bank_marketing(path, url=url)

@@ -1,4 +1,5 @@
-"""``python -m parties certs``: a development CA and one certificate per party."""
+"""python -m parties: what every party shares on the command line (certs: a development CA and one
+certificate per party)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parties.cli import configure_logging, description, run_cli
+from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError
 from parties.tls import DEFAULT_HOSTS, write_dev_pki
 
@@ -14,7 +15,7 @@ from parties.tls import DEFAULT_HOSTS, write_dev_pki
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parties", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    certs = sub.add_parser("certs", help="create a development CA and party certificates")
+    certs = command(sub, "certs", "create a development CA and party certificates")
     certs.add_argument("--out", type=Path, required=True, help="folder for ca.pem and NAME.pem/NAME.key")
     certs.add_argument("--party", action="append", default=[], metavar="NAME=ROLE",
                        help="a party and its role (bank or partner); repeat per party")

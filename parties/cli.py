@@ -15,6 +15,7 @@ from parties.errors import ConfigError, CutlayerError
 
 __all__ = [
     "add_service_arguments",
+    "command",
     "apply_process_settings",
     "configure_logging",
     "default_of",
@@ -39,6 +40,11 @@ def default_of(model: type[BaseModel], field: str) -> str:
     info = model.model_fields[field]
     value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
     return show(value)
+
+
+def command(sub: argparse._SubParsersAction, name: str, summary: str, **kwargs: object) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` opens with the same line the command list shows."""
+    return sub.add_parser(name, help=summary, description=summary, **kwargs)  # type: ignore[arg-type]
 
 
 def description(doc: str | None) -> str:
@@ -71,6 +77,11 @@ def run_cli(main: Callable[[], int | None]) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (``... | head``): what is left to print has nowhere to go. Point stdout at
+        # devnull so the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     sys.exit(code or 0)
 
 

@@ -1,4 +1,4 @@
-"""``python -m partner serve``: run a partner's service on its own data."""
+"""python -m partner: a partner's service, on its own data (serve)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from alignment.parallel import start_fork_server
 from parties.cli import (
+    command,
     add_service_arguments,
     apply_process_settings,
     configure_logging,
@@ -29,7 +30,7 @@ logger = logging.getLogger("partner")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m partner", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve the partner's endpoints", description=description(__doc__))
+    s = command(sub, "serve", "serve the partner's endpoints")
     add_service_arguments(s)
     b = s.add_argument_group("this partner's own bottom model")
     b.add_argument("--hidden", default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from parties.hijack import MonitorConfig
 from parties.cli import run_cli
 from parties.model import BottomConfig
 from parties.privacy import PrivacyConfig
-from parties.settings import ServiceSettings
+from parties.settings import BankSettings, ServiceSettings
 
 PARSERS = {
     "bank": bank_cli.build_parser,
@@ -93,6 +94,7 @@ MODEL_DEFAULTS = {
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
     ("bank train", "--task"): _field(TrainingConfig, "task"),
+    ("bank serve", "--peer-retry-deadline"): _field(BankSettings, "peer_retry_deadline"),
     ("bank train", "--batch-size"): _field(TrainingConfig, "batch_size"),
     ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
@@ -149,6 +151,8 @@ def test_print_config_shows_every_setting_and_loads_back(capsys: pytest.CaptureF
     shown = json.loads(out)
     assert TrainingConfig.model_validate(shown) == TrainingConfig()
     assert set(shown) == set(TrainingConfig.model_fields) and "learning_rate" in shown["top"]
+    code, out, _ = _bank(["train", "--print-config", "--epochs", "3"], capsys)
+    assert json.loads(out)["epochs"] == 3  # the settings this command would use, flags included
     help_text = bank_cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert '"bank_bottom": {"learning_rate"' in help_text and "--print-config" in help_text
 
@@ -176,3 +180,23 @@ def test_a_bad_flag_value_names_the_flag(tmp_path: Path, capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as exit_:
         run_cli(lambda: partner_cli.main(argv))
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [message]
+
+
+def test_output_cut_short_by_the_reader_is_no_traceback() -> None:
+    run = subprocess.run(f"{shlex.quote(sys.executable)} -m bank train --print-config | head -1", shell=True,
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout == "{\n" and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
+
+
+def test_a_walkthrough_without_its_data_is_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    run = _run("bank", "walkthrough", "--no-download", "--cache-dir", str(tmp_path), "--out", str(tmp_path / "run"))
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'bank-full.csv'} does not exist and downloading is off: drop --no-download, or put "
+        "bank-full.csv there (or in the folder $CUTLAYER_DATA_DIR names)"
+    ]
+
+
+def test_every_subcommand_help_opens_with_what_it_does() -> None:
+    for prog, parser in _commands():
+        if " " in prog:
+            assert parser.description, f"{prog} --help has no description"
