@@ -29,7 +29,6 @@ from parties.cli import (
     run_cli,
     service_values,
 )
-from parties.dataset import load_party_table
 from parties.errors import ConfigError
 from parties.model import BottomConfig
 from parties.protocol import AlignmentRequest, JobStatus
@@ -92,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command(sub, "serve", "serve the bank's coordinator endpoints")
     add_service_arguments(s)
-    s.add_argument("--label", default=None, help=f"label column (default {default_of(BankSettings, 'label')})")
+    s.add_argument("--label", default=None, help="label column (default: the schema file's, else y)")
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
     s.add_argument("--peer-retry-deadline", type=float, default=None,
                    help=f"seconds a silent partner is retried (it may be restarting) before training stops "
@@ -114,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true",
                    help="print the training settings this command would use (defaults, --config, flags) as "
                         "JSON to edit for --config, and exit")
+    t.add_argument("--task", choices=["binary", "multiclass", "regression"], default=None,
+                   help=f"what the label is (default {default_of(TrainingConfig, 'task')}); regression learns "
+                        "a standardised target and reports metrics in the label's own units")
+    t.add_argument("--positive-label", default=None,
+                   help="binary: the label value that counts as positive (default: 'yes' if present, else the "
+                        "second in sorted order)")
     t.add_argument("--epochs", type=int, default=None,
                    help=f"at most this many epochs (default {default_of(TrainingConfig, 'epochs')}; "
                         f"early stopping after {default_of(TrainingConfig, 'patience')} without improvement)")
@@ -147,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run", type=Path, nargs="?", default=None,
                    help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
+    r.add_argument("--partition", type=Path, default=None,
+                   help="the folder python -m data partition wrote, for the references (default: RUN/data, "
+                        "as the walkthrough keeps it)")
     _add_log_level(r)
 
     ps = command(sub, "privacy-study", "measure every defense's price and effect (simulation only)")
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_process_settings(settings.torch_threads, settings.cpus)
         if settings.insecure:
             logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
-        table = load_party_table(settings.data, settings.id_column, settings.label, schema_path=settings.schema_file)
+        table = settings.load_table()
         start_fork_server(settings.workers)
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0
@@ -216,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         from bank.analysis import load_run, write_report
 
         run = load_run(args.run)
-        report = write_report(run, references=not args.no_references)
+        report = write_report(run, references=not args.no_references, partition=args.partition)
         for name, table in report["tables"].items():
             print(f"\n== {name}\n{table.to_string(index=False)}")
+        for note in report["notes"]:
+            print(f"\n{note}")
         print(f"\nwritten to {run.path / 'analysis'}")
         return 0
     if args.command == "privacy-study":
@@ -283,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
         for partner, count in result.get("scored_without", {}).items():
             print(f"  of which {count} scored without {partner} (it does not hold them; its embedding was set to zero)")
+        for party, columns in result.get("fallbacks", {}).items():
+            for column, counts in columns.items():
+                took = ", ".join(f"{n} {policy}" for policy, n in counts.items())
+                print(f"  {party} column {column!r}: {took} (encoded by the model's declared policy)")
         return 0
     if args.command == "align":
         request = AlignmentRequest(
@@ -310,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
-    return _training_config(args.config, epochs=args.epochs, batch_size=args.batch_size,
-                            aggregation=args.aggregation, seed=args.seed, audit=args.audit)
+    return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
+                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit)
 
 
 def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]:

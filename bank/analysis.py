@@ -251,10 +251,16 @@ def privacy_study(run: Run) -> dict[str, Any] | None:
             "figure": folder / "privacy_tradeoff.png"}
 
 
-def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0) -> dict[str, Any]:
-    """Compute every table and figure, save them under ``<run>/analysis/``, return them by name."""
+def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0,
+                 partition: Path | None = None) -> dict[str, Any]:
+    """Compute every table and figure, save them under ``<run>/analysis/``, return them by name.
+
+    ``partition``: the folder ``python -m data partition`` wrote, for the references and the audit's
+    targets (default: the walkthrough's ``<run>/data``). Without one the references are left out, and
+    ``notes`` says so.
+    """
     from bank.audit import inversion_probe, label_leakage
-    from bank.references import reference_models
+    from bank.references import NoPartition, reference_models
 
     out = run.path / "analysis"
     out.mkdir(parents=True, exist_ok=True)
@@ -263,18 +269,27 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
         "party_times": party_times(run),
     }
     figures: dict[str, Figure] = {"learning_curves": learning_curves(run), "roc_pr": roc_pr_curves(run)}
+    notes: list[str] = []
     if references:
-        tables["comparison"] = reference_models(run, seed=seed)
-        figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+        try:
+            tables["comparison"] = reference_models(run, seed=seed, partition=partition)
+        except NoPartition as exc:
+            notes.append(f"references left out: {exc}")
+        else:
+            figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
     if audit and run.config.get("audit") and not run.audit_dir.exists():
         raise DataError(f"{run.audit_dir}: missing, though the run was trained with --audit")
     if audit and run.audit_dir.exists():
-        tables["label_leakage"] = label_leakage(run)
-        tables["inversion"] = inversion_probe(run, seed=seed)
-        figures["label_leakage"] = leakage_figure(tables["label_leakage"])
+        try:
+            tables["label_leakage"] = label_leakage(run, partition)
+            tables["inversion"] = inversion_probe(run, seed=seed, partition=partition)
+        except NoPartition as exc:
+            notes.append(f"audit left out: {exc}")
+        else:
+            figures["label_leakage"] = leakage_figure(tables["label_leakage"])
     for name, table in tables.items():
         table.to_csv(out / f"{name}.csv", index=False)
     for name, fig in figures.items():
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
-    return {"tables": tables, "figures": {n: out / f"{n}.png" for n in figures}}
+    return {"tables": tables, "figures": {n: out / f"{n}.png" for n in figures}, "notes": notes}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -71,9 +72,9 @@ def leakage_rows(partner: str, g: dict[str, np.ndarray], targets: np.ndarray) ->
     return rows
 
 
-def label_leakage(run: Run) -> pd.DataFrame:
+def label_leakage(run: Run, partition: Path | None = None) -> pd.DataFrame:
     """Leak AUC of the norm and direction attacks, per partner and epoch, and across epochs."""
-    _, targets, _ = joined_features(run)
+    _, targets, _ = joined_features(run, partition)
     return pd.DataFrame([r for partner in run.partners for r in leakage_rows(partner, _gradients(run, partner), targets)])
 
 
@@ -106,9 +107,9 @@ def inversion_rows(
              "r2_bank_only": bank_only[f], "advantage": with_embedding[f] - bank_only[f]} for f in with_embedding]
 
 
-def inversion_probe(run: Run, seed: int = 0, aux_fraction: float = 0.5) -> pd.DataFrame:
+def inversion_probe(run: Run, seed: int = 0, aux_fraction: float = 0.5, partition: Path | None = None) -> pd.DataFrame:
     """How well the bank could decode each partner feature from the embeddings it received."""
-    features, _, _ = joined_features(run)
+    features, _, _ = joined_features(run, partition)
     out = []
     for partner in run.partners:
         path = run.audit_dir / f"embeddings-{partner}.safetensors"

@@ -18,7 +18,7 @@ from bank.local import InProcessParty
 from bank.proxy import HttpPartner
 from bank.manifest import read_manifest
 from bank.results import write_run
-from bank.scoring import score_customers
+from bank.scoring import model_schema, score_customers
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
@@ -262,11 +262,12 @@ class BankCore:
 
     def score(self, model_id: str, upload: Path, allow_missing: bool, progress: Progress) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
-        table = load_party_table(upload, self.settings.id_column, schema_path=None)
+        table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name))
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
-            scores = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,
+            result = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,
                                      allow_missing=allow_missing, progress=progress)
+        scores = result.table
         out = upload.with_name("scores.csv")
         scores.to_csv(out, index=False)
         scored = int(scores["status"].str.startswith("scored").sum())
@@ -274,7 +275,8 @@ class BankCore:
         without = scores["status"][scores["status"].str.startswith("scored without: ")].str.removeprefix("scored without: ")
         scored_without = {name: int(without.str.split("; ").map(lambda names, n=name: n in names).sum()) for name in names}
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
-                "unscorable": len(scores) - scored, "scored_without": {n: c for n, c in scored_without.items() if c}}
+                "unscorable": len(scores) - scored, "scored_without": {n: c for n, c in scored_without.items() if c},
+                "fallbacks": result.fallbacks}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
         self.model_dir(model_id)

@@ -52,6 +52,7 @@ from parties.protocol import (
     SessionList,
     TrainSessionInfo,
 )
+from parties.features import Fallbacks, parse_fallbacks
 from parties.tls import handshake_failure
 from parties.wire import SAFETENSORS, WireMessage, decode, encode
 
@@ -373,10 +374,19 @@ class HttpPartner:
         self._control("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
         self.width = width
 
-    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
+    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
+        """The partner's embeddings of the rows at ``positions``, and its count of values that took a policy."""
         content = self._post_tensors(f"/models/{model_id}/embed", "scoring embeddings", {"rows": positions},
                                      alignment=alignment_id)
-        return self._embedding(content, positions.numel(), "scoring embeddings")
+        message = decode(content, {"embedding": torch.float32})
+        z = self._checked_embedding(message, positions.numel(), "scoring embeddings")
+        try:
+            fallbacks = parse_fallbacks(message.meta.get("fallbacks", ""))
+        except ValueError as exc:
+            raise PeerError(f"partner {self.name!r} sent unusable fallback counts: {exc}") from exc
+        if any(n > positions.numel() for counts in fallbacks.values() for n in counts.values()):
+            raise PeerError(f"partner {self.name!r} counted more fallbacks than rows it embedded")
+        return z, fallbacks
 
     def privacy(self) -> PrivacyReport:
         response = self._control("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")

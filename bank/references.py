@@ -30,33 +30,50 @@ from parties.errors import DataError
 from parties.features import TabularEncoder
 from parties.model import BottomConfig
 
-__all__ = ["joined_features", "reference_models"]
+__all__ = ["NoPartition", "joined_features", "reference_models"]
 
 
-def _party_files(run: Run) -> dict[str, Path]:
-    manifest = run.path / "data" / "partition.json"
+class NoPartition(DataError):
+    """No partition folder with every party's file: references (a simulation's privilege) cannot be computed."""
+
+
+def _party_files(run: Run, partition: Path | None) -> tuple[str, dict[str, Path]]:
+    """The label party's name and every party's file, from a partition folder's ``partition.json``."""
+    folder = Path(partition) if partition is not None else run.path / "data"
+    manifest = folder / "partition.json"
     if not manifest.exists():
-        raise DataError(f"{manifest}: missing. Reference models need every party's file, which only a simulation has")
-    parties = json.loads(manifest.read_text())["parties"]
-    return {name: run.path / "data" / info["file"] for name, info in parties.items()}
+        raise NoPartition(f"{manifest}: missing. Reference models need every party's file, which only a simulation "
+                        "has: point --partition at the folder python -m data partition wrote")
+    described = json.loads(manifest.read_text())
+    label_party = described.get("spec", {}).get("label_party", "bank")
+    files = {name: folder / info["file"] for name, info in described["parties"].items()}
+    for name, path in files.items():
+        if not path.is_file():
+            raise DataError(f"{path}: {name}'s file, named in {manifest}, is missing")
+    return label_party, files
 
 
-def joined_features(run: Run) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
+def joined_features(run: Run, partition: Path | None = None
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
     """Each party's encoded columns for the run's aligned rows (in the run's order), the targets, the splits.
 
-    Encoders are fitted on the run's training rows only, as each party does.
+    Encoders are fitted on the run's training rows only, as each party does. Each file is read through its
+    own schema file (ID column, label, column kinds), as its party reads it.
     """
-    files = _party_files(run)
-    id_column = run.config.get("id_column", "customer_id")
-    bank = load_party_table(files.pop("bank"), id_column, "y")
+    label_party, files = _party_files(run, partition)
+    bank = load_party_table(files.pop(label_party), labelled=True)
     split = run.split.sort_values("position")
     bank_rows = split["bank_row"].to_numpy()
-    ids = [bank.ids[r] for r in bank_rows]
+    ids = [bank.normalized_ids[r] for r in bank_rows]
     train = np.flatnonzero(split["split"].to_numpy() == "train")
     tables = {"bank": (bank, bank_rows)}
     for name, path in files.items():
-        table = load_party_table(path, id_column)
-        where = {i: k for k, i in enumerate(table.ids)}
+        table = load_party_table(path)
+        where = {i: k for k, i in enumerate(table.normalized_ids)}
+        missing = sum(i not in where for i in ids)
+        if missing:
+            raise DataError(f"{path}: {missing} of the run's aligned customers are not in {name}'s file; "
+                            "is this the partition the run was trained on?")
         tables[name] = (table, np.array([where[i] for i in ids]))
     features = {}
     for name, (table, rows) in tables.items():
@@ -117,11 +134,16 @@ def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarra
         return task.scores(model.eval()(test))
 
 
-def reference_models(run: Run, seed: int = 0) -> pd.DataFrame:
-    """Test ROC-AUC and PR-AUC of the split model and its references, on the run's own test rows."""
+def reference_models(run: Run, seed: int = 0, partition: Path | None = None) -> pd.DataFrame:
+    """Test ROC-AUC and PR-AUC of the split model and its references, on the run's own test rows.
+
+    ``partition``: the folder ``python -m data partition`` wrote (default: the walkthrough's ``<run>/data``).
+    The unsplit MLP needs every partner's bottom configuration: it is left out when the run folder lacks
+    a partner's model files (a run trained by separate services keeps them with each partner).
+    """
     if run.metrics["task"] != "binary":
-        raise DataError("reference models are implemented for binary tasks")
-    features, y, splits = joined_features(run)
+        raise NoPartition(f"reference models are implemented for binary tasks, not {run.metrics['task']}")
+    features, y, splits = joined_features(run, partition)
     train, test = splits["train"], splits["test"]
     everything = np.hstack(list(features.values()))
     rows = [{"model": "split model (this run)", "features": "all parties",
@@ -135,6 +157,7 @@ def reference_models(run: Run, seed: int = 0) -> pd.DataFrame:
     hgb = HistGradientBoostingClassifier(random_state=seed)
     rows.append(_scores("centralised: HistGradientBoosting", "all parties", y[test],
                         hgb.fit(everything[train], y[train]).predict_proba(everything[test])[:, 1]))
-    rows.append(_scores("centralised: unsplit MLP (same architecture)", "all parties", y[test],
-                        _unsplit_mlp(run, features, y, splits)))
+    if all((run.model_dir(name) / "bottom-config.json").exists() for name in features if name != "bank"):
+        rows.append(_scores("centralised: unsplit MLP (same architecture)", "all parties", y[test],
+                            _unsplit_mlp(run, features, y, splits)))
     return pd.DataFrame(rows)

@@ -67,12 +67,12 @@ def write_run(
             atomic_write_bytes(run_dir / "audit" / f"{name}.safetensors", save_tensors(tensors))
     top_blob = save_tensors({k: v.contiguous() for k, v in top.state_dict().items()}, metadata={"session": outcome.session_id})
     atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
-    _json(run_dir / "model" / "task.json", {"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label})
+    _json(run_dir / "model" / "task.json", task.to_dict())
     top_digest = {"top.safetensors": hashlib.sha256(top_blob).hexdigest()}
     write_manifest(run_dir / "model" / "manifest.json", Manifest(
         model_id=outcome.session_id,
         alignment_id=alignment_id,
-        task={"kind": task.kind, "classes": task.classes_, "positive_label": task.positive_label},
+        task=task.to_dict(),
         aggregation=config.aggregation,
         parties=[PartyEntry(name=name, embedding_width=width, schema_hash=party_files[name]["encoder.json"],
                             files=party_files[name]) for name, width in outcome.widths.items()],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,14 @@ from bank.aggregation import get_aggregation
 from bank.manifest import read_manifest
 from bank.proxy import HttpPartner
 from bank.task import Task
-from parties.dataset import PartyTable
+from parties.dataset import FeatureSchema, PartyTable
 from parties.errors import DataError
+from parties.features import Fallbacks, merge_fallbacks
 from parties.jobs import Progress
 from parties.model import mlp
 from parties.scoring import ScoringBottom
 
-__all__ = ["score_customers"]
+__all__ = ["Scores", "model_schema", "score_customers"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,22 @@ def _top(model_dir: Path, width: int, task: Task) -> torch.nn.Module:
     return top.eval()
 
 
+def model_schema(model_dir: Path, bank_name: str) -> FeatureSchema:
+    """The bank's columns as the trained model encodes them: customers to score are read with this schema,
+    so a column means at scoring what it meant at training, whatever types the new file suggests."""
+    manifest = read_manifest(model_dir)
+    return ScoringBottom(model_dir / "bank", manifest.party(bank_name).files).encoder.schema
+
+
+@dataclass
+class Scores:
+    """One row per customer (``score`` or ``score_<class>``, and ``status``), and per party and column the
+    values that took a declared policy (unseen category, missing value) instead of a trained encoding."""
+
+    table: pd.DataFrame
+    fallbacks: dict[str, Fallbacks]
+
+
 def score_customers(
     table: PartyTable,
     model_dir: Path,
@@ -56,7 +74,7 @@ def score_customers(
     *,
     allow_missing: bool = False,
     progress: Progress | None = None,
-) -> pd.DataFrame:
+) -> Scores:
     """Scores for ``table``'s customers: one row each, with ``score`` and ``status``."""
     say = progress or (lambda _msg, _frac=None: None)
     manifest = read_manifest(model_dir)
@@ -64,7 +82,7 @@ def score_customers(
     missing = [c for c in own.encoder.schema.columns if c not in table.features.columns]
     if missing:
         raise DataError(f"{table.path}: the model needs the bank's columns {missing}")
-    task = Task(manifest.task["kind"], manifest.task["positive_label"], list(manifest.task["classes"]))
+    task = Task.from_dict(manifest.task)
     aggregation = get_aggregation(manifest.aggregation)
     names = [p.name for p in manifest.parties]
     if set(names[1:]) != set(partners):
@@ -72,7 +90,9 @@ def score_customers(
     top = _top(model_dir, aggregation.width([p.embedding_width for p in manifest.parties]), task)
 
     n = len(table)
-    embeddings = {bank_name: own.embed(torch.from_numpy(own.encoder.transform(table.features[list(own.encoder.schema.columns)])))}
+    own_features, own_fallbacks = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
+    embeddings = {bank_name: own.embed(torch.from_numpy(own_features))}
+    fallbacks: dict[str, Fallbacks] = {bank_name: own_fallbacks}
     held = {}
     points = hashed_points(table.normalized_ids, pool, None)
     for k, name in enumerate(names[1:], start=1):
@@ -84,11 +104,12 @@ def score_customers(
         scoring_id = uuid.uuid4().hex
         partner.commit(session_id, scoring_id, np.arange(len(result)), result.digest, purpose="scoring")
         z = torch.zeros((n, entry.embedding_width))
+        fallbacks[name] = {}
         for start in range(0, len(result), BATCH):
             positions = torch.arange(start, min(start + BATCH, len(result)))
-            z[torch.from_numpy(result.rows[start : start + BATCH])] = partner.embed_for_scoring(
-                manifest.model_id, scoring_id, positions
-            )
+            z_part, counted = partner.embed_for_scoring(manifest.model_id, scoring_id, positions)
+            z[torch.from_numpy(result.rows[start : start + BATCH])] = z_part
+            merge_fallbacks(fallbacks[name], counted)
             say(f"{name}: embedding {min(start + BATCH, len(result))}/{len(result)}", None)
         embeddings[name] = z
         held[name] = np.zeros(n, dtype=bool)
@@ -112,4 +133,4 @@ def score_customers(
     scored = n if allow_missing else int(complete.sum())
     fallback = f" ({n - int(complete.sum())} without every partner)" if allow_missing and not complete.all() else ""
     say(f"scored {scored} of {n}{fallback}", 1.0)
-    return out
+    return Scores(out, {party: counts for party, counts in fallbacks.items() if counts})

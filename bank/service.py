@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.app import create_party_app, read_body, require_self
-from parties.dataset import PartyTable, load_party_table
+from parties.dataset import PartyTable
 from parties.errors import NotAligned, OutOfOrder
 from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
 from parties.settings import BankSettings
@@ -88,9 +88,7 @@ def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = table or load_party_table(
-            settings.data, settings.id_column, settings.label, schema_path=settings.schema_file
-        )
+        loaded = table or settings.load_table()
         app.state.core = BankCore(settings, loaded)
         try:
             yield

@@ -23,6 +23,11 @@ class Task:
     kind: TaskKind = "binary"
     positive_label: str | None = None  # binary: the label value that counts as 1
     classes_: list[str] = field(default_factory=list)
+    # Regression learns a standardised target (fitted on the training rows): a target in the millions
+    # would otherwise put the loss near 1e10 and the default learning rates nowhere near convergence.
+    # Scores and metrics are in the target's own units.
+    target_mean_: float = 0.0
+    target_scale_: float = 1.0
 
     def fit(self, labels: pd.Series) -> Task:
         """Learn the label vocabulary (classification) from the bank's own labels."""
@@ -42,6 +47,25 @@ class Task:
                 raise DataError("multiclass task: the label column has fewer than 2 values")
             self.classes_ = values
         return self
+
+    def fit_target_scale(self, train_targets: torch.Tensor) -> Task:
+        """Regression: the mean and scale of the target on the training rows (other tasks: nothing to fit)."""
+        if self.kind == "regression" and len(train_targets):
+            values = train_targets.double()
+            self.target_mean_ = float(values.mean())
+            scale = float(values.std(unbiased=False))
+            self.target_scale_ = scale if scale > 0 else 1.0
+        return self
+
+    def to_dict(self) -> dict[str, object]:
+        """What scoring needs to turn the top model's outputs into scores (``task.json``, the manifest)."""
+        return {"kind": self.kind, "classes": self.classes_, "positive_label": self.positive_label,
+                "target_mean": self.target_mean_, "target_scale": self.target_scale_}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, object]) -> Task:
+        return cls(state["kind"], state.get("positive_label"), list(state.get("classes") or []),  # type: ignore[arg-type]
+                   float(state.get("target_mean", 0.0)), float(state.get("target_scale", 1.0)))  # type: ignore[arg-type]
 
     @property
     def output_dim(self) -> int:
@@ -66,7 +90,7 @@ class Task:
             return F.binary_cross_entropy_with_logits(outputs.squeeze(1), targets)
         if self.kind == "multiclass":
             return F.cross_entropy(outputs, targets)
-        return F.mse_loss(outputs.squeeze(1), targets)
+        return F.mse_loss(outputs.squeeze(1), (targets - self.target_mean_) / self.target_scale_)
 
     def scores(self, outputs: torch.Tensor) -> np.ndarray:
         """Probabilities of the positive class / of each class; predictions for regression."""
@@ -74,7 +98,7 @@ class Task:
             return torch.sigmoid(outputs.squeeze(1)).numpy()
         if self.kind == "multiclass":
             return torch.softmax(outputs, dim=1).numpy()
-        return outputs.squeeze(1).numpy()
+        return (outputs.squeeze(1).double() * self.target_scale_ + self.target_mean_).numpy()
 
     def metrics(self, targets: torch.Tensor, scores: np.ndarray) -> dict[str, float]:
         y = targets.numpy()

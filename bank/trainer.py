@@ -86,6 +86,7 @@ class Coordinator:
         self.progress = progress or (lambda _msg, _frac: None)
         self.aggregation = get_aggregation(config.aggregation)
         self.split = split_rows(len(targets), targets, task, config)
+        task.fit_target_scale(targets[torch.from_numpy(self.split.train)])
         # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
         self.train_targets = targets
         if config.label_dp_epsilon is not None:

@@ -6,11 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from data.partition import SYNTHETIC_ID, PartitionSpec, PartySpec, partition, read_source_csv, write_partition
+from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
 from data.prepare import prepare_bank_marketing
 from data.uci import BANK_MARKETING_URL, locate_bank_full
 from parties.cli import command, configure_logging, description, run_cli
+from parties.dataset import load_party_table
 from parties.errors import ConfigError
+from parties.schema import PartySchema, sidecar_path
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -58,10 +60,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--party", action="append", default=[], metavar="NAME=COL,COL", help="repeat per party")
     gen.add_argument("--coverage", action="append", default=[], metavar="NAME=FRACTION",
                      help="share of the customers a party holds (default 1); repeat per party")
-    gen.add_argument("--id-column", default=None, help="default: synthesise stable IDs from the row number")
+    gen.add_argument("--id-column", default=None,
+                     help="the customer ID column, kept in every party's file (default: synthesise stable IDs "
+                          "from the row number, as customer_id)")
+    gen.add_argument("--categorical", default=None, metavar="COL,COL",
+                     help="columns to treat as categorical whatever they look like, e.g. integer codes")
+    gen.add_argument("--numeric", default=None, metavar="COL,COL", help="columns to treat as numeric")
     gen.add_argument("--seed", type=int, default=0, help="seed of who holds which customer (default %(default)s)")
     gen.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+
+    sch = command(sub, "schema", "show a table's schema (inferred, or its schema file) and write one to edit")
+    sch.add_argument("file", type=Path, help="a party's CSV or Parquet file")
+    sch.add_argument("--id-column", default=None, help="the customer ID column (default: the schema file's, else customer_id)")
+    sch.add_argument("--label", default=None, help="the label column, for the bank's table (default: none)")
+    sch.add_argument("--categorical", default=None, metavar="COL,COL",
+                     help="columns to treat as categorical whatever they look like, e.g. integer codes")
+    sch.add_argument("--numeric", default=None, metavar="COL,COL", help="columns to treat as numeric")
+    sch.add_argument("--write", action="store_true",
+                     help="write it to FILE.schema.json (refuses to replace one that exists, unless --force)")
+    sch.add_argument("--force", action="store_true", help="with --write: replace an existing schema file")
+    sch.set_defaults(log_level="WARNING")
     return parser
+
+
+def _list(text: str | None) -> tuple[str, ...]:
+    return tuple(c.strip() for c in (text or "").split(",") if c.strip())
+
+
+def _schema_command(args: argparse.Namespace) -> int:
+    table = load_party_table(args.file, args.id_column, args.label, labelled=args.label is not None,
+                             categorical=_list(args.categorical), numeric=_list(args.numeric))
+    schema = PartySchema(id_column=table.id_column, label_column=args.label, numeric=table.schema.numeric,
+                         categorical=table.schema.categorical)
+    print(schema.model_dump_json(indent=2))
+    target = sidecar_path(args.file)
+    if args.write:
+        if target.exists() and not args.force:
+            raise ConfigError(f"{target} exists; edit it, or pass --force to replace it")
+        schema.write(target)
+        print(f"written to {target}: edit it, then every command that reads {args.file.name} follows it",
+              file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fetch":
         print(locate_bank_full(args.cache_dir, url=args.url))
         return 0
+    if args.command == "schema":
+        return _schema_command(args)
     if args.command == "bank-marketing":
         names = args.partner_names.split(",") if args.partner_names else None
         paths = prepare_bank_marketing(
@@ -97,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
             label_party=args.label_party,
             id_column=args.id_column,
             seed=args.seed,
+            categorical=_list(args.categorical),
+            numeric=_list(args.numeric),
         )
         frame = read_source_csv(args.csv, args.sep)
-        paths = write_partition(
-            partition(frame, spec, str(args.csv)), spec, args.out, args.id_column or SYNTHETIC_ID
-        )
+        paths = write_partition(partition(frame, spec, str(args.csv)), spec, args.out)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

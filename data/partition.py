@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from parties.dataset import sniff_separator
+from parties.dataset import PARQUET_SUFFIXES, read_table_text, sniff_separator
+from parties.schema import PartySchema, infer_kinds, sidecar_path
 from parties.errors import ConfigError, DataError
 from parties.files import atomic_write_text
 
@@ -26,7 +27,6 @@ __all__ = [
     "PartitionSpec",
     "PartySpec",
     "bank_marketing_spec",
-    "infer_schema",
     "partition",
     "read_source_csv",
     "write_partition",
@@ -51,7 +51,13 @@ class PartitionSpec:
     label_party: str
     id_column: str | None = None  # None: synthesise stable IDs from the row number
     seed: int = 0
-    output_id_column: str = field(default=SYNTHETIC_ID)
+    categorical: tuple[str, ...] = ()  # columns to treat as categorical whatever they look like (integer codes)
+    numeric: tuple[str, ...] = ()
+
+    @property
+    def output_id_column(self) -> str:
+        """The ID column of the files written: the input's, or ``customer_id`` for synthesised IDs."""
+        return self.id_column or SYNTHETIC_ID
 
     def validate(self, columns: Sequence[str], source: str) -> None:
         names = [p.name for p in self.parties]
@@ -71,6 +77,12 @@ class PartitionSpec:
             raise ConfigError(f"columns assigned to more than one party: {twice}")
         if self.label_column in owned:
             raise ConfigError(f"the label column {self.label_column!r} cannot also be a feature")
+        unknown = sorted((set(self.categorical) | set(self.numeric)) - set(owned))
+        if unknown:
+            raise ConfigError(f"--categorical/--numeric name columns no party holds: {unknown}")
+        both = sorted(set(self.categorical) & set(self.numeric))
+        if both:
+            raise ConfigError(f"columns declared both categorical and numeric: {both}")
         for p in self.parties:
             if not 0 < p.coverage <= 1:
                 raise ConfigError(f"coverage of {p.name!r} must be in (0, 1], got {p.coverage}")
@@ -106,8 +118,12 @@ def bank_marketing_spec(
 
 
 def read_source_csv(path: Path, sep: str | None = None) -> pd.DataFrame:
-    """Read a CSV as text (IDs keep leading zeros); ``sep=None`` picks ``;`` or ``,`` from the header."""
+    """Read a CSV (or Parquet) file as text (IDs keep leading zeros); ``sep=None`` picks ``;`` or ``,``."""
     path = Path(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        if not path.is_file():
+            raise DataError(f"{path}: no such file")
+        return read_table_text(path)
     try:
         frame = pd.read_csv(path, sep=sep or sniff_separator(path), dtype=str, keep_default_na=False)
     except FileNotFoundError as exc:
@@ -117,15 +133,6 @@ def read_source_csv(path: Path, sep: str | None = None) -> pd.DataFrame:
     if frame.empty:
         raise DataError(f"{path}: the file has no rows")
     return frame
-
-
-def infer_schema(frame: pd.DataFrame, columns: Sequence[str]) -> dict[str, list[str]]:
-    """Numeric where every value parses as a number, categorical otherwise."""
-    numeric, categorical = [], []
-    for c in columns:
-        parsed = pd.to_numeric(frame[c], errors="coerce")
-        (numeric if parsed.notna().all() else categorical).append(c)
-    return {"numeric": numeric, "categorical": categorical}
 
 
 def partition(frame: pd.DataFrame, spec: PartitionSpec, source: str = "input") -> dict[str, pd.DataFrame]:
@@ -153,24 +160,24 @@ def partition(frame: pd.DataFrame, spec: PartitionSpec, source: str = "input") -
     return out
 
 
-def write_partition(
-    frames: dict[str, pd.DataFrame], spec: PartitionSpec, out_dir: Path, id_column: str
-) -> dict[str, Path]:
+def write_partition(frames: dict[str, pd.DataFrame], spec: PartitionSpec, out_dir: Path) -> dict[str, Path]:
     """Write ``OUT/<party>/<party>.csv`` and its schema; ``OUT/partition.json`` describes the split."""
     out_dir = Path(out_dir)
+    id_column = spec.output_id_column
     paths: dict[str, Path] = {}
     for name, frame in frames.items():
         path = out_dir / name / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(path, index=False)
         features = [c for c in frame.columns if c not in (id_column, spec.label_column)]
-        schema = {"id_column": id_column, **infer_schema(frame, features)}
-        if name == spec.label_party:
-            schema["label_column"] = spec.label_column
-        atomic_write_text(path.with_suffix(".schema.json"), json.dumps(schema, indent=2) + "\n")
+        numeric, categorical = infer_kinds(frame, features, categorical=[c for c in spec.categorical if c in features],
+                                           numeric=[c for c in spec.numeric if c in features])
+        label = spec.label_column if name == spec.label_party else None
+        PartySchema(id_column=id_column, label_column=label, numeric=numeric, categorical=categorical).write(
+            sidecar_path(path))
         paths[name] = path
     manifest = {
-        "spec": asdict(spec),
+        "spec": asdict(spec) | {"output_id_column": id_column},
         "id_column": id_column,
         "parties": {n: {"file": str(p.relative_to(out_dir)), "rows": len(frames[n])} for n, p in paths.items()},
     }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.partition import SYNTHETIC_ID, bank_marketing_spec, partition, read_source_csv, write_partition
+from data.partition import bank_marketing_spec, partition, read_source_csv, write_partition
 from data.uci import BANK_MARKETING_URL, locate_bank_full
 from parties.errors import ConfigError
 
@@ -44,4 +44,4 @@ def prepare_bank_marketing(
         partner_coverage=partner_coverage,
         seed=seed,
     )
-    return write_partition(partition(frame, spec, "bank-full.csv"), spec, out_dir, SYNTHETIC_ID)
+    return write_partition(partition(frame, spec, "bank-full.csv"), spec, out_dir)

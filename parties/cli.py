@@ -92,9 +92,14 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", required=True, help="this party's name (its certificate's CN)")
     parser.add_argument("--data", type=Path, required=True, help="this party's own CSV file")
     parser.add_argument("--id-column", default=None,
-                        help=f"customer ID column (default {default_of(S, 'id_column')})")
+                        help="customer ID column (default: the schema file's, else customer_id)")
     parser.add_argument("--schema", dest="schema_file", type=Path, default=None,
-                        help="numeric/categorical columns (default: <data>.schema.json if present, else inferred)")
+                        help="the table's schema file (default: <data>.schema.json if present, else inferred; "
+                             "python -m data schema FILE writes one to edit)")
+    parser.add_argument("--categorical", type=_columns, default=None, metavar="COL,COL",
+                        help="treat these columns as categorical (e.g. integer codes), whatever the schema says")
+    parser.add_argument("--numeric", type=_columns, default=None, metavar="COL,COL",
+                        help="treat these columns as numeric, whatever the schema says")
     parser.add_argument("--host", default=None, help=f"address to listen on (default {default_of(S, 'host')})")
     parser.add_argument("--port", type=int, default=None,
                         help=f"port to listen on (default {default_of(S, 'port')}: any free port)")
@@ -123,9 +128,16 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SERVICE_FIELDS = (
-    "name", "data", "id_column", "schema_file", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
+    "name", "data", "id_column", "schema_file", "categorical", "numeric", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
     "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus", "step_poll_ms",
 )
+
+
+def _columns(text: str) -> tuple[str, ...]:
+    columns = tuple(c.strip() for c in text.split(",") if c.strip())
+    if not columns:
+        raise argparse.ArgumentTypeError("give column names separated by commas")
+    return columns
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:

@@ -7,8 +7,8 @@ header as row 1), never a customer ID or a value.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from safetensors.torch import save as save_tensors
 from alignment.curve import normalize_id
 from parties.errors import DataError
 from parties.files import atomic_write_bytes
+from parties.schema import DEFAULT_ID_COLUMN, DEFAULT_LABEL, PartySchema, infer_kinds, read_schema, sidecar_path
 
 __all__ = [
     "AlignedRows",
@@ -28,6 +29,7 @@ __all__ = [
     "PartyTable",
     "load_alignment",
     "load_party_table",
+    "read_table_text",
     "save_alignment",
     "sniff_separator",
 ]
@@ -72,39 +74,74 @@ def _row(position: int) -> int:
     return position + 2  # 1-based, after the header line
 
 
-def _read_schema(path: Path) -> dict[str, object] | None:
-    if not path.exists():
-        return None
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def read_table_text(path: Path) -> pd.DataFrame:
+    """A CSV (``;`` or ``,``; any line ending) or Parquet file, every cell as text, missing cells as ``""``.
+
+    Text first, types second: the party's schema decides what a column is, not
+    the reader's guess, so a table means the same whichever format it came in.
+    """
+    path = Path(path)
     try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: not a valid schema file ({exc})") from exc
-    if not isinstance(schema, dict):
-        raise DataError(f"{path}: a schema is a JSON object")
-    return schema
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() in PARQUET_SUFFIXES or magic == b"PAR1":
+            return _parquet_as_text(path)
+        return pd.read_csv(path, dtype=str, keep_default_na=False, sep=sniff_separator(path))
+    except pd.errors.EmptyDataError as exc:
+        raise DataError(f"{path}: the file is empty") from exc
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
+
+
+def _parquet_as_text(path: Path) -> pd.DataFrame:
+    frame = pd.read_parquet(path)
+    out = pd.DataFrame(index=frame.index)
+    for col in frame.columns:
+        values = frame[col]
+        if pd.api.types.is_float_dtype(values):
+            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v)))
+        else:
+            text = values.map(lambda v: "" if v is None or (isinstance(v, float) and pd.isna(v)) or v is pd.NA else str(v))
+        out[str(col)] = text.astype(object)
+    return out
 
 
 def load_party_table(
     path: Path,
-    id_column: str,
+    id_column: str | None = None,
     label_column: str | None = None,
     schema_path: Path | None = None,
+    *,
+    labelled: bool = False,
+    categorical: Sequence[str] = (),
+    numeric: Sequence[str] = (),
+    schema: FeatureSchema | None = None,
+    missing_numbers: bool = True,
 ) -> PartyTable:
-    """Load and validate a party's CSV.
+    """Load and validate a party's table (CSV or Parquet).
 
-    The schema (numeric vs categorical columns) comes from ``schema_path``,
-    else ``<file>.schema.json`` beside the CSV, else is inferred: a column is
-    numeric when every value parses as a number.
+    The ID column is ``id_column``, else the schema file's, else ``customer_id``;
+    with ``labelled`` (the bank) the label is ``label_column``, else the schema
+    file's, else ``y``. The feature kinds are ``schema`` (a trained model's, at
+    scoring), else the schema file (``schema_path``, else ``<file>.schema.json``
+    beside the data), else inferred; ``categorical``/``numeric`` override either.
+    ``missing_numbers``: an empty numeric cell is kept as missing (the
+    encoder imputes the training mean, and counts it); ``False`` refuses it.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, sep=sniff_separator(path))
-    except pd.errors.EmptyDataError as exc:
-        raise DataError(f"{path}: the file is empty") from exc
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable CSV ({exc})") from exc
+    sidecar_file = Path(schema_path) if schema_path is not None else sidecar_path(path)
+    if schema_path is not None and not sidecar_file.exists():
+        raise DataError(f"{sidecar_file}: no such schema file")
+    declared = read_schema(sidecar_file) if schema is None else None
+    id_column = id_column or (declared.id_column if declared else DEFAULT_ID_COLUMN)
+    if labelled and label_column is None:
+        label_column = declared.label_column if declared and declared.label_column else DEFAULT_LABEL
+    frame = read_table_text(path)
     if frame.empty:
         raise DataError(f"{path}: the file has a header but no rows")
     columns = list(frame.columns)
@@ -136,17 +173,32 @@ def load_party_table(
             )
 
     feature_cols = [c for c in columns if c not in (id_column, label_column)]
-    schema = _schema(path, schema_path, frame, feature_cols)
+    if schema is None:
+        schema = _feature_schema(path, sidecar_file, declared, frame, feature_cols, categorical, numeric)
+    else:
+        absent = [c for c in schema.columns if c not in frame.columns]
+        if absent:
+            raise DataError(f"{path}: the model needs the columns {absent} (columns: {', '.join(columns)})")
     features = frame[list(schema.columns)].copy()
     for col in schema.numeric:
-        parsed = pd.to_numeric(features[col].str.strip(), errors="coerce")
-        bad = parsed.isna() | ~parsed.abs().lt(float("inf"))
-        if bad.any():
-            raise DataError(
-                f"{path}: column {col!r} is numeric but row {_row(int(bad.to_numpy().argmax()))} is not a finite number"
-            )
+        text = features[col].str.strip()
+        parsed = pd.to_numeric(text, errors="coerce")
+        empty = (text == "").to_numpy()
+        kinds = {"empty": empty & ~missing_numbers, "text": parsed.isna().to_numpy() & ~empty,
+                 "infinite": np.isinf(parsed.to_numpy(dtype=np.float64))}
+        bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
+        if bad:
+            problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
+                                 for kind, mask in bad.items())
+            raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
+                            f"{problems}")
         features[col] = parsed.astype("float64")
     logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
+    for col in schema.numeric:
+        missing = int(features[col].isna().sum())
+        if missing:
+            logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
+                        path.name, col, missing)
     return PartyTable(
         path=path,
         id_column=id_column,
@@ -158,20 +210,21 @@ def load_party_table(
     )
 
 
-def _schema(path: Path, schema_path: Path | None, frame: pd.DataFrame, feature_cols: list[str]) -> FeatureSchema:
-    sidecar = Path(schema_path) if schema_path is not None else path.with_suffix(".schema.json")
-    if schema_path is not None and not sidecar.exists():
-        raise DataError(f"{sidecar}: no such schema file")
-    declared = _read_schema(sidecar)
+def _feature_schema(path: Path, sidecar: Path, declared: PartySchema | None, frame: pd.DataFrame,
+                    feature_cols: list[str], categorical: Sequence[str], numeric: Sequence[str]) -> FeatureSchema:
     if declared is None:
-        numeric = tuple(c for c in feature_cols if pd.to_numeric(frame[c], errors="coerce").notna().all())
-        return FeatureSchema(numeric, tuple(c for c in feature_cols if c not in numeric))
-    numeric = tuple(str(c) for c in declared.get("numeric", []))  # type: ignore[union-attr]
-    categorical = tuple(str(c) for c in declared.get("categorical", []))  # type: ignore[union-attr]
-    for col in numeric + categorical:
+        return FeatureSchema(*infer_kinds(frame, feature_cols, categorical=categorical, numeric=numeric))
+    for col in declared.numeric + declared.categorical:
         if col not in frame.columns:
             raise DataError(f"{path}: column {col!r} named in {sidecar.name} is missing from the file")
-    return FeatureSchema(numeric, categorical)
+    listed = [c for c in feature_cols if c in declared.numeric + declared.categorical]
+    overrides_unknown = sorted((set(categorical) | set(numeric)) - set(listed))
+    if overrides_unknown:
+        raise DataError(f"{path}: --categorical/--numeric name columns {sidecar.name} does not list: {overrides_unknown}")
+    kinds = {c: "numeric" for c in declared.numeric} | {c: "categorical" for c in declared.categorical}
+    kinds |= {c: "categorical" for c in categorical} | {c: "numeric" for c in numeric}
+    return FeatureSchema(tuple(c for c in listed if kinds[c] == "numeric"),
+                         tuple(c for c in listed if kinds[c] == "categorical"))
 
 
 @dataclass(frozen=True)

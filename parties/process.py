@@ -18,7 +18,7 @@ __all__ = ["ServiceProcess"]
 class ServiceProcess:
     """``python -m <module> serve ...`` in a child process, its output in ``log_file``."""
 
-    def __init__(self, module: str, args: list[str], ready_file: Path, log_file: Path) -> None:
+    def __init__(self, module: str, args: list[str], ready_file: Path, log_file: Path, cwd: Path | None = None) -> None:
         self.module, self.ready_file, self.log_file = module, Path(ready_file), Path(log_file)
         self.ready_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -28,6 +28,7 @@ class ServiceProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=cwd,
         )
         self.url: str | None = None
 

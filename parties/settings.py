@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from parties.dataset import PartyTable, load_party_table
 from parties.errors import ConfigError
 from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
@@ -30,8 +31,10 @@ class ServiceSettings(BaseSettings):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     data: Path
-    id_column: str = "customer_id"
+    id_column: str | None = Field(None, description="default: the schema file's, else customer_id")
     schema_file: Path | None = None
+    categorical: tuple[str, ...] = Field((), description="columns to treat as categorical (integer codes)")
+    numeric: tuple[str, ...] = Field((), description="columns to treat as numeric")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     tls_dir: Path | None = None
@@ -72,6 +75,11 @@ class ServiceSettings(BaseSettings):
         if self.tls_dir is not None:
             return TLSFiles.from_dir(self.tls_dir, self.name)
         raise ValueError("TLS is required: give --tls-dir (or --tls-ca/--tls-cert/--tls-key), or --insecure")
+
+    def load_table(self) -> PartyTable:
+        """This party's own table, read through its schema (file, flags, inference)."""
+        return load_party_table(self.data, self.id_column, schema_path=self.schema_file,
+                                categorical=self.categorical, numeric=self.numeric)
 
     @property
     def step_poll_seconds(self) -> float:
@@ -121,12 +129,16 @@ class BankSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CUTLAYER_BANK_", extra="forbid", frozen=True)
     role: ClassVar[Role] = "bank"
 
-    label: str = "y"
+    label: str | None = Field(None, description="the label column; default: the schema file's, else y")
     partners: dict[str, str] = Field(default_factory=dict)
     peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
     peer_retry_deadline: float = Field(
         120.0, gt=0, description="seconds a silent partner is retried (it may be restarting) before training stops"
     )
+
+    def load_table(self) -> PartyTable:
+        return load_party_table(self.data, self.id_column, self.label, schema_path=self.schema_file, labelled=True,
+                                categorical=self.categorical, numeric=self.numeric)
 
     @field_validator("partners")
     @classmethod

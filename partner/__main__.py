@@ -17,7 +17,6 @@ from parties.cli import (
     run_cli,
     service_values,
 )
-from parties.dataset import load_party_table
 from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
 from parties.privacy import PrivacyConfig
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_settings(settings.torch_threads, settings.cpus)
     if settings.insecure:
         logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
-    table = load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)
+    table = settings.load_table()
     start_fork_server(settings.workers)
     serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0

@@ -294,7 +294,8 @@ class PartnerCore:
             raise AlignmentMismatch(f"model {model_id} embeds {model.width} wide, the manifest says {width}")
         self.models[model_id] = model
 
-    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> torch.Tensor:
+    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
+        """Embeddings of the aligned rows at ``positions``, and per column the values that took a policy."""
         model = self.models.get(model_id)
         if model is None:
             raise OutOfOrder(f"model {model_id} is not loaded")
@@ -304,12 +305,14 @@ class PartnerCore:
         if positions.dim() != 1 or positions.numel() == 0 or int(positions.min()) < 0 or int(positions.max()) >= len(rows):
             raise BadMessage(f"positions must lie in [0, {len(rows)})")
         table_rows = rows[positions.numpy()]
-        features = model.encoder.transform(self.table.features.iloc[table_rows])
+        features, fallbacks = model.encoder.encode(self.table.features.iloc[table_rows])
         z = model.embed(torch.from_numpy(features))
         if self.scoring_dp is not None:
             z = self.scoring_dp.release(z, torch.from_numpy(table_rows.astype(np.int64)))
             logger.info("scoring release: ε spent on scoring so far %.2f", self.scoring_dp.epsilon())
-        return z
+        if fallbacks:
+            logger.info("model %s: scoring rows took fallback policies: %s", model_id, fallbacks)
+        return z, fallbacks
 
     def _expire(self) -> None:
         now = time.monotonic()

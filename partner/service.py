@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from parties.app import create_party_app, read_body, require_role, require_self
-from parties.dataset import PartyTable, load_party_table
+from parties.dataset import PartyTable
 from parties.errors import BadMessage, OutOfOrder
 from parties.hotpath import HotRequest, HotResponse, HotRoute
 from parties.protocol import (
@@ -232,8 +233,8 @@ async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = De
     rows = message.get("rows")
     if rows is None:
         raise BadMessage("the message carries no rows")
-    z = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
-    return _tensors({"embedding": z}, model=model_id)
+    z, fallbacks = await run_in_threadpool(c.embed_for_scoring, model_id, message.meta.get("alignment", ""), rows)
+    return _tensors({"embedding": z}, model=model_id, fallbacks=json.dumps(fallbacks))
 
 
 @admin.get("/sessions", response_model=SessionList)
@@ -261,7 +262,7 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = table or load_party_table(settings.data, settings.id_column, schema_path=settings.schema_file)
+        loaded = table or settings.load_table()
         app.state.core = PartnerCore(settings, loaded)
         try:
             yield

@@ -92,15 +92,15 @@ MODEL_DEFAULTS = {
     ("partner serve", "--dp-noise"): _field(PrivacyConfig, "noise"),
     ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
-    ("bank serve", "--label"): _field(BankSettings, "label"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
+    ("bank train", "--task"): _field(TrainingConfig, "task"),
     ("bank serve", "--peer-retry-deadline"): _field(BankSettings, "peer_retry_deadline"),
     ("bank train", "--batch-size"): _field(TrainingConfig, "batch_size"),
     ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
     ("bank walkthrough", "--epochs"): _field(TrainingConfig, "epochs"),
     **{(f"{role} serve", flag): _field(ServiceSettings, field) for role in ("bank", "partner")
-       for flag, field in (("--id-column", "id_column"), ("--host", "host"), ("--port", "port"),
+       for flag, field in (("--host", "host"), ("--port", "port"),
                            ("--torch-threads", "torch_threads"), ("--min-intersection", "min_intersection"))},
 }
 

@@ -39,10 +39,15 @@ def test_bad_files(write_csv, columns, id_column, label, message) -> None:
     assert "party.csv" in str(info.value)
 
 
-def test_unparsable_numeric_value_names_column_and_row(write_csv, tmp_path: Path) -> None:
-    path = write_csv("p.csv", customer_id=["1", "2", "3"], balance=["10", "abc", "3"])
+def test_unparsable_numeric_values_name_column_kind_count_and_row(write_csv, tmp_path: Path) -> None:
+    path = write_csv("p.csv", customer_id=["1", "2", "3", "4", "5"], balance=["10", "abc", "", "x", "inf"])
     path.with_suffix(".schema.json").write_text('{"numeric": ["balance"], "categorical": []}')
-    with pytest.raises(DataError, match=r"p.csv: column 'balance' is numeric but row 3"):
+    with pytest.raises(DataError, match=r"p.csv: column 'balance' is numeric, but holds values that are not finite "
+                                        r"numbers: 1 empty \(first at row 4\), 2 text \(first at row 3\), "
+                                        r"1 infinite \(first at row 6\)"):
+        load_party_table(path, "customer_id", missing_numbers=False)
+    # By default an empty cell is a missing value the encoder imputes (and counts); text still is not a number.
+    with pytest.raises(DataError, match=r"2 text \(first at row 3\), 1 infinite"):
         load_party_table(path, "customer_id")
 
 

@@ -100,7 +100,7 @@ def test_scoring_refuses_unknown_models_and_bad_files(trained, tmp_path: Path) -
     op, result, *_ = trained
     with pytest.raises(Exception, match="HTTP 404.*no trained model nosuchmodel"):
         op.start_scoring("nosuchmodel", b"customer_id,age\n1,30\n")
-    with pytest.raises(JobFailed, match="the model needs the bank's columns"):
+    with pytest.raises(JobFailed, match="the model needs the columns"):
         op.wait(op.start_scoring(result["session"], b"customer_id,age\n1,30\n2,40\n"))
 
 

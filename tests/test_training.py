@@ -78,6 +78,19 @@ def test_regression_is_a_config_change(tmp_path: Path) -> None:
     assert set(outcome.test_metrics) == {"mse", "mae", "r2"}
 
 
+def test_regression_on_a_monetary_scale_learns_a_standardised_target(tmp_path: Path) -> None:
+    signal = np.random.default_rng(0).normal(size=600)
+    amounts = [f"{5e6 + 2e6 * s:.2f}" for s in signal]  # euros: the raw squared error is ~1e12
+    coordinator, _ = _in_process(tmp_path, amounts, "regression", epochs=20, batch_size=32)
+    outcome = coordinator.run()
+    train = np.asarray(amounts, dtype=float)[coordinator.split.train]
+    assert coordinator.task.target_mean_ == pytest.approx(train.mean()) and coordinator.task.target_scale_ == pytest.approx(train.std())
+    assert outcome.history[-1]["train_loss"] < 1  # learned in standardised units
+    assert outcome.test_metrics["r2"] > 0.5
+    assert outcome.test_metrics["mae"] > 1e4  # metrics in the label's own units
+    assert 1e6 < float(np.median(outcome.test_scores)) < 1e7  # and so are the scores
+
+
 def test_early_stopping_keeps_the_best_epoch(tmp_path: Path) -> None:
     labels = (np.random.default_rng(1).random(400) < 0.3).astype(int).astype(str).tolist()  # pure noise
     coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=50, patience=2, batch_size=32)
