@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -23,7 +24,7 @@ from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
 from parties.dataset import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
-from parties.errors import BadMessage, ConfigError, NotAligned, OutOfOrder, UnknownSession
+from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
 from parties.files import atomic_write_bytes, atomic_write_text
 from parties.jobs import Job, JobRunner, Progress
 from parties.protocol import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
@@ -260,9 +261,9 @@ class BankCore:
             raise UnknownSession(f"no trained model {model_id}")
         return folder
 
-    def score(self, model_id: str, upload: Path, allow_missing: bool, progress: Progress) -> dict[str, Any]:
+    def score(self, model_id: str, upload: Path, table: PartyTable, allow_missing: bool,
+              progress: Progress) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
-        table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name))
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             result = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,
@@ -279,10 +280,16 @@ class BankCore:
                 "fallbacks": result.fallbacks}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
-        self.model_dir(model_id)
+        """Check the customers file now (a bad file is refused with the reason, HTTP 422), score it in a job."""
+        model_dir = self.model_dir(model_id)
         upload = self.settings.state_path / "scores" / uuid.uuid4().hex / "customers.csv"
         atomic_write_bytes(upload, csv)
-        return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, allow_missing, progress))
+        try:
+            table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name))
+        except DataError as exc:
+            shutil.rmtree(upload.parent, ignore_errors=True)
+            raise DataError(str(exc).replace(str(upload), "the customers file")) from exc
+        return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, table, allow_missing, progress))
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:

@@ -14,6 +14,7 @@ import pytest
 
 from bank.config import TrainingConfig
 from bank.operator import BankOperator, JobFailed
+from parties.errors import PeerError
 from data.prepare import prepare_bank_marketing
 from parties.tls import TLSFiles
 
@@ -100,8 +101,8 @@ def test_scoring_refuses_unknown_models_and_bad_files(trained, tmp_path: Path) -
     op, result, *_ = trained
     with pytest.raises(Exception, match="HTTP 404.*no trained model nosuchmodel"):
         op.start_scoring("nosuchmodel", b"customer_id,age\n1,30\n")
-    with pytest.raises(JobFailed, match="the model needs the columns"):
-        op.wait(op.start_scoring(result["session"], b"customer_id,age\n1,30\n2,40\n"))
+    with pytest.raises(PeerError, match=r"HTTP 422\): the customers file: the model needs the columns"):
+        op.start_scoring(result["session"], b"customer_id,age\n1,30\n2,40\n")  # refused at once, not in a job
 
 
 def test_score_cli_reports_a_missing_file(tmp_path: Path) -> None:

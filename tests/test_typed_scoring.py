@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from bank.config import TrainingConfig
-from bank.operator import BankOperator, JobFailed
+from bank.operator import BankOperator
+from parties.errors import PeerError
 from parties.dataset import FeatureSchema
 from parties.features import MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, TabularEncoder, category_text
 from parties.tls import TLSFiles
@@ -95,8 +96,9 @@ def test_scoring_reproduces_the_runs_own_predictions_for_integer_coded_categoric
         _, summary = score(odd)
         assert summary["fallbacks"] == {"bank": {"education": {UNSEEN: 5}, "income": {MISSING_NUMBER: 3}}}
 
-        # A value that is not a number in a numeric column is refused, naming column, kind and count.
+        # A value that is not a number in a numeric column is refused at once (HTTP 422), naming column, kind
+        # and count; nothing is half-scored.
         bad = test.head(10).assign(income=["n/a"] * 2 + list(test["income"].head(10))[2:])
-        with pytest.raises(JobFailed, match=r"column 'income' is numeric, but holds values that are not finite "
-                                            r"numbers: 2 text \(first at row 2\)"):
+        with pytest.raises(PeerError, match=r"HTTP 422\): the customers file: column 'income' is numeric, but holds "
+                                            r"values that are not finite numbers: 2 text \(first at row 2\)"):
             score(bad)
