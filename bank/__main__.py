@@ -7,21 +7,21 @@ import json
 import logging
 import sys
 import textwrap
-
-from pydantic import ValidationError
-from tqdm import tqdm
 import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from alignment.parallel import start_fork_server
 from bank.config import TopConfig, TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
-from alignment.parallel import start_fork_server
 from parties.cli import (
-    command,
     add_service_arguments,
+    command,
     apply_process_settings,
     configure_logging,
     default_of,

@@ -272,11 +272,8 @@ class BankCore:
         out = upload.with_name("scores.csv")
         scores.to_csv(out, index=False)
         scored = int(scores["status"].str.startswith("scored").sum())
-        # Rows scored with a partner's embedding set to zero took a fallback: count them per partner.
-        without = scores["status"][scores["status"].str.startswith("scored without: ")].str.removeprefix("scored without: ")
-        scored_without = {name: int(without.str.split("; ").map(lambda names, n=name: n in names).sum()) for name in names}
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
-                "unscorable": len(scores) - scored, "scored_without": {n: c for n, c in scored_without.items() if c},
+                "unscorable": len(scores) - scored, "scored_without": result.scored_without,
                 "fallbacks": result.fallbacks}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:

@@ -63,6 +63,7 @@ class Scores:
 
     table: pd.DataFrame
     fallbacks: dict[str, Fallbacks]
+    scored_without: dict[str, int]  # per partner, the customers scored with its embedding set to zero
 
 
 def score_customers(
@@ -133,4 +134,6 @@ def score_customers(
     scored = n if allow_missing else int(complete.sum())
     fallback = f" ({n - int(complete.sum())} without every partner)" if allow_missing and not complete.all() else ""
     say(f"scored {scored} of {n}{fallback}", 1.0)
-    return Scores(out, {party: counts for party, counts in fallbacks.items() if counts})
+    without = {name: int((~mask).sum()) for name, mask in held.items()} if allow_missing else {}
+    return Scores(out, {party: counts for party, counts in fallbacks.items() if counts},
+                  {name: count for name, count in without.items() if count})

@@ -8,8 +8,8 @@ import sys
 
 from alignment.parallel import start_fork_server
 from parties.cli import (
-    command,
     add_service_arguments,
+    command,
     apply_process_settings,
     configure_logging,
     default_of,
@@ -17,8 +17,8 @@ from parties.cli import (
     run_cli,
     service_values,
 )
-from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
+from parties.model import BottomConfig
 from parties.privacy import PrivacyConfig
 from parties.server import serve
 from parties.settings import PartnerSettings, load_settings
