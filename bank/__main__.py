@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--data", type=Path, required=True, help="CSV of customer IDs and the bank's own columns")
     sc.add_argument("--out", type=Path, required=True, help="where to write the scores (CSV)")
     sc.add_argument("--allow-missing", action="store_true",
-                    help="score customers a partner lacks without that partner (its embedding set to zero)")
+                    help="score customers some partners lack with the model of the parties that hold them "
+                         "(trained with the joint model; e.g. the bank-only model); default: report them unscorable")
     _add_log_level(sc)
 
     r = command(sub, "report", "write a run's analysis (tables as CSV, figures as PNG) without the notebook")
@@ -291,8 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             result = _follow(operator, job, "scoring")
             args.out.write_bytes(operator.scores(job.job_id))
         print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
+        for partner, reason in result.get("refused", {}).items():
+            print(f"  {partner} refused to align these customers: {reason}")
+        for model, count in result.get("models", {}).items():
+            if model != "joint":
+                print(f"  {count} scored by the {model} model, without the partners that do not hold them")
         for partner, count in result.get("scored_without", {}).items():
-            print(f"  of which {count} scored without {partner} (it does not hold them; its embedding was set to zero)")
+            print(f"  of which {count} scored without {partner}")
         for party, columns in result.get("fallbacks", {}).items():
             for column, counts in columns.items():
                 took = ", ".join(f"{n} {policy}" for policy, n in counts.items())

@@ -20,6 +20,7 @@ from bank.proxy import HttpPartner
 from bank.manifest import read_manifest
 from bank.results import write_run
 from bank.scoring import model_schema, score_customers
+from bank.subsets import train_subset_models
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.client import client_for, make_channel
@@ -158,12 +159,17 @@ class BankCore:
             outcome = coordinator.run(resume=resume is not None)
         communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
         files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
+        subsets = train_subset_models(
+            table=self.table, aligned=alignment.rows, task=task, targets=targets, split=outcome.split, config=config,
+            names=[own.name, *(p.name for p in partners)], joint_test_scores=outcome.test_scores,
+            embeddings=coordinator.embeddings, progress=lambda msg: progress(f"finishing: {msg}", None),
+        )
         run_dir = runs / outcome.session_id
         assert coordinator.top is not None
         metrics = write_run(
             run_dir, config=config, task=task, outcome=outcome, top=coordinator.top, targets=targets,
             communication=communication, party_files=files, alignment_id=alignment.alignment_id,
-            bank_rows=alignment.rows,
+            bank_rows=alignment.rows, subsets=subsets,
         )
         return {"run_dir": str(run_dir), **metrics}
 
@@ -274,7 +280,7 @@ class BankCore:
         scored = int(scores["status"].str.startswith("scored").sum())
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
                 "unscorable": len(scores) - scored, "scored_without": result.scored_without,
-                "fallbacks": result.fallbacks}
+                "models": result.models, "refused": result.refused, "fallbacks": result.fallbacks}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
         """Check the customers file now (a bad file is refused with the reason, HTTP 422), score it in a job."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from parties.errors import DataError
 from parties.files import atomic_write_text
 
-__all__ = ["Manifest", "PartyEntry", "read_manifest", "write_manifest"]
+__all__ = ["Manifest", "PartyEntry", "SubsetEntry", "read_manifest", "write_manifest"]
 
 
 class PartyEntry(BaseModel):
@@ -27,6 +27,16 @@ class PartyEntry(BaseModel):
     name: str
     embedding_width: int
     schema_hash: str
+    files: dict[str, str]
+
+
+class SubsetEntry(BaseModel):
+    """The model for customers only ``parties`` hold, under ``<model>/subsets/<bank+...>/``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    parties: list[str]
+    kind: Literal["bank-only", "head"]
     files: dict[str, str]
 
 
@@ -39,6 +49,7 @@ class Manifest(BaseModel):
     aggregation: str
     parties: list[PartyEntry]
     top: dict[str, str]
+    subsets: dict[str, SubsetEntry] = {}  # a model trained before subsets existed has none
 
     def party(self, name: str) -> PartyEntry:
         for p in self.parties:

@@ -18,6 +18,7 @@ from safetensors.torch import save as save_tensors
 
 from bank.config import TrainingConfig
 from bank.manifest import Manifest, PartyEntry, write_manifest
+from bank.subsets import SubsetModels
 from bank.task import Task
 from bank.trainer import TrainingOutcome
 from parties.files import atomic_write_bytes, atomic_write_text
@@ -41,6 +42,7 @@ def write_run(
     party_files: dict[str, dict[str, str]],
     alignment_id: str,
     bank_rows: np.ndarray,
+    subsets: SubsetModels | None = None,
 ) -> dict[str, Any]:
     """Write the run folder; return the metrics document."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,11 @@ def write_run(
         parties=[PartyEntry(name=name, embedding_width=width, schema_hash=party_files[name]["encoder.json"],
                             files=party_files[name]) for name, width in outcome.widths.items()],
         top=top_digest,
+        subsets=subsets.save(run_dir / "model") if subsets is not None else {},
     ))
+    if subsets is not None and not subsets.calibration.empty:
+        columns = ["subset", "held_out", "bin", "rows", "mean_score", "observed_rate"]
+        subsets.calibration[columns].to_csv(run_dir / "calibration.csv", index=False)
     party_files = {**party_files, "bank-top": top_digest}
     metrics = {
         "session": outcome.session_id,
@@ -85,6 +91,8 @@ def write_run(
         "task": task.kind,
         "rows": {k: int(len(v)) for k, v in splits.items()},
         "test": outcome.test_metrics,
+        # Per subset of the parties scoring can meet, its model and how it did on held-out customers.
+        "subsets": subsets.held_out if subsets is not None else {},
         "best_epoch": outcome.best_epoch,
         "epochs_run": len(outcome.history),
         "steps": outcome.steps,

@@ -3,50 +3,48 @@
 The bank brings the customers (IDs and its own columns). Each partner learns
 by PSI which of them it holds, embeds those rows of its own table with its
 part of the model, and the bank combines everything in its top model.
-Customers a partner does not hold are reported as unscorable, or, when the
-operator allows it, scored with that partner's embedding set to zero.
+
+A customer some partners lack is reported as unscorable or, when the operator
+allows it (``allow_missing``), scored by the model of exactly the parties that
+hold them (``bank.subsets``): the bank-only model, or a head over the present
+parties' embeddings. A partner whose minimum-intersection policy refuses the
+customers is reported by name, and holds none of them. Every row says which
+parties contributed and which model scored it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.torch import load_file
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.session import run_initiator
-from bank.aggregation import get_aggregation
-from bank.manifest import read_manifest
+from bank.aggregation import Aggregation, get_aggregation
+from bank.bank_only import BankOnlyModel
+from bank.manifest import Manifest, SubsetEntry, read_manifest
 from bank.proxy import HttpPartner
+from bank.subsets import head_from_blob, subset_name
 from bank.task import Task
 from parties.dataset import FeatureSchema, PartyTable
-from parties.errors import DataError
+from parties.errors import CutlayerError, DataError, IntersectionTooSmall
 from parties.features import Fallbacks, merge_fallbacks
 from parties.jobs import Progress
-from parties.model import mlp
-from parties.scoring import ScoringBottom
+from parties.scoring import ScoringBottom, verify_files
 
 __all__ = ["Scores", "model_schema", "score_customers"]
 
 logger = logging.getLogger(__name__)
 
 BATCH = 8192
-
-
-def _top(model_dir: Path, width: int, task: Task) -> torch.nn.Module:
-    weights = load_file(str(model_dir / "top.safetensors"))
-    hidden = tuple(weights[k].shape[0] for k in sorted(weights, key=lambda k: int(k.split(".")[0])) if k.endswith("weight"))[:-1]
-    top = mlp(width, hidden, task.output_dim, activate_output=False, seed=0)
-    top.load_state_dict(weights)
-    return top.eval()
 
 
 def model_schema(model_dir: Path, bank_name: str) -> FeatureSchema:
@@ -58,12 +56,55 @@ def model_schema(model_dir: Path, bank_name: str) -> FeatureSchema:
 
 @dataclass
 class Scores:
-    """One row per customer (``score`` or ``score_<class>``, and ``status``), and per party and column the
-    values that took a declared policy (unseen category, missing value) instead of a trained encoding."""
+    """One row per customer (``score`` or ``score_<class>``, ``status``, ``parties``, ``model``), and per party
+    and column the values that took a declared policy (unseen category, missing value)."""
 
     table: pd.DataFrame
     fallbacks: dict[str, Fallbacks]
-    scored_without: dict[str, int]  # per partner, the customers scored with its embedding set to zero
+    scored_without: dict[str, int]  # per partner, the customers scored without it (by a partial subset's model)
+    models: dict[str, int] = field(default_factory=dict)  # customers scored by each model
+    refused: dict[str, str] = field(default_factory=dict)  # partners that refused the alignment, and why
+
+
+class _Customers:
+    """The customers' embeddings, gathered party by party, and which partners hold each customer."""
+
+    def __init__(self, table: PartyTable, names: list[str]) -> None:
+        self.table, self.names, self.n = table, names, len(table)
+        self.embeddings: dict[str, torch.Tensor] = {}
+        self.held: dict[str, np.ndarray] = {}
+        self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
+        self.fallbacks: dict[str, Fallbacks] = {}
+
+    def align(self, partner: HttpPartner, width: int, manifest: Manifest, points: bytes, pool: WorkerPool,
+              say: Progress) -> str | None:
+        """PSI with ``partner`` and its embeddings of the customers it holds; its refusal's reason, if it refused."""
+        name = partner.name
+        self.embeddings[name] = torch.zeros((self.n, width))
+        self.held[name] = np.zeros(self.n, dtype=bool)
+        self.why[name] = f"not held by {name}"
+        session_id, result = run_initiator(partner, points, pool)
+        scoring_id = uuid.uuid4().hex
+        try:
+            partner.commit(session_id, scoring_id, np.arange(len(result)), result.digest, purpose="scoring")
+        except IntersectionTooSmall as exc:  # the partner's policy: none of them is scored with it
+            self.why[name] = f"{name} refused the alignment"
+            with contextlib.suppress(CutlayerError):
+                partner.abort(session_id)
+            return str(exc)
+        self.fallbacks[name] = {}
+        for start in range(0, len(result), BATCH):
+            positions = torch.arange(start, min(start + BATCH, len(result)))
+            z_part, counted = partner.embed_for_scoring(manifest.model_id, scoring_id, positions)
+            self.embeddings[name][torch.from_numpy(result.rows[start : start + BATCH])] = z_part
+            merge_fallbacks(self.fallbacks[name], counted)
+            say(f"{name}: embedding {min(start + BATCH, len(result))}/{len(result)}", None)
+        self.held[name][result.rows] = True
+        return None
+
+    def holders(self) -> np.ndarray:
+        """Per customer, which partners hold them (one column per partner, in the model's order)."""
+        return np.stack([self.held[n] for n in self.names[1:]], axis=1) if self.names[1:] else np.ones((self.n, 0), bool)
 
 
 def score_customers(
@@ -76,7 +117,7 @@ def score_customers(
     allow_missing: bool = False,
     progress: Progress | None = None,
 ) -> Scores:
-    """Scores for ``table``'s customers: one row each, with ``score`` and ``status``."""
+    """Scores for ``table``'s customers: one row each, with ``score``, ``status``, ``parties`` and ``model``."""
     say = progress or (lambda _msg, _frac=None: None)
     manifest = read_manifest(model_dir)
     own = ScoringBottom(model_dir / "bank", manifest.party(bank_name).files)
@@ -88,52 +129,85 @@ def score_customers(
     names = [p.name for p in manifest.parties]
     if set(names[1:]) != set(partners):
         raise DataError(f"model {manifest.model_id} was trained with partners {names[1:]}, not {sorted(partners)}")
-    top = _top(model_dir, aggregation.width([p.embedding_width for p in manifest.parties]), task)
+    widths = {p.name: p.embedding_width for p in manifest.parties}
+    top = head_from_blob((model_dir / "top.safetensors").read_bytes(), aggregation.width(list(widths.values())), task)
 
-    n = len(table)
-    own_features, own_fallbacks = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
-    embeddings = {bank_name: own.embed(torch.from_numpy(own_features))}
-    fallbacks: dict[str, Fallbacks] = {bank_name: own_fallbacks}
-    held = {}
+    customers = _Customers(table, names)
+    own_features, customers.fallbacks[bank_name] = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
+    customers.embeddings[bank_name] = own.embed(torch.from_numpy(own_features))
+    refused = {}
     points = hashed_points(table.normalized_ids, pool, None)
     for k, name in enumerate(names[1:], start=1):
         partner, entry = partners[name], manifest.party(name)
         say(f"{name}: loading its part of the model", k / (len(names) + 1))
         partner.load_model(manifest.model_id, entry.files, entry.embedding_width)
         say(f"{name}: aligning the customers (PSI)", k / (len(names) + 1))
-        session_id, result = run_initiator(partner, points, pool)
-        scoring_id = uuid.uuid4().hex
-        partner.commit(session_id, scoring_id, np.arange(len(result)), result.digest, purpose="scoring")
-        z = torch.zeros((n, entry.embedding_width))
-        fallbacks[name] = {}
-        for start in range(0, len(result), BATCH):
-            positions = torch.arange(start, min(start + BATCH, len(result)))
-            z_part, counted = partner.embed_for_scoring(manifest.model_id, scoring_id, positions)
-            z[torch.from_numpy(result.rows[start : start + BATCH])] = z_part
-            merge_fallbacks(fallbacks[name], counted)
-            say(f"{name}: embedding {min(start + BATCH, len(result))}/{len(result)}", None)
-        embeddings[name] = z
-        held[name] = np.zeros(n, dtype=bool)
-        held[name][result.rows] = True
-    complete = np.all(list(held.values()), axis=0) if held else np.ones(n, dtype=bool)
-    with torch.no_grad():
-        scores = task.scores(top(aggregation.combine([embeddings[name] for name in names])))
-    status = np.where(complete, "scored", "")
-    for name, mask in held.items():
-        lacking = ~mask
-        status = np.where(lacking, np.char.add(status.astype(str), f"not held by {name}; "), status)
+        reason = customers.align(partner, entry.embedding_width, manifest, points, pool, say)
+        if reason is not None:
+            refused[name] = reason
+            say(f"{name} refused the alignment: {reason}", None)
+
+    n = len(table)
+    holders = customers.holders()
+    scores = np.full((n,) if task.output_dim == 1 else (n, task.output_dim), np.nan)
+    model = np.full(n, "", dtype=object)
+    parties = np.array([subset_name([bank_name, *(p for p, h in zip(names[1:], row) if h)]) for row in holders],
+                       dtype=object)
+    status = np.array(["; ".join(customers.why[p] for p, h in zip(names[1:], row) if not h) or "scored"
+                       for row in holders], dtype=object)
+    for pattern in np.unique(holders, axis=0):
+        rows = np.flatnonzero((holders == pattern).all(axis=1))
+        present = [bank_name, *(p for p, h in zip(names[1:], pattern) if h)]
+        subset = subset_name(present)
+        if len(present) == len(names):
+            scores[rows], model[rows] = _joint(top, aggregation, customers, names, rows, task), "joint"
+            continue
+        if not allow_missing:
+            continue
+        entry = manifest.subsets.get(subset)
+        if entry is None:  # a model trained before subsets existed, or more partners than heads
+            status[rows] = [f"{s}; the model has no fallback for customers only {subset} hold" for s in status[rows]]
+            continue
+        say(f"scoring {len(rows)} customers only {subset} hold with the {entry.kind} model", None)
+        scores[rows] = _partial(model_dir / "subsets" / subset, entry, task, aggregation, customers, rows, widths)
+        model[rows] = entry.kind
+        status[rows] = "scored without: " + ", ".join(p for p in names[1:] if p not in present)
     out = pd.DataFrame({table.id_column: list(table.ids)})
     if scores.ndim == 1:
-        out["score"] = np.where(complete | allow_missing, scores, np.nan)
+        out["score"] = scores
     else:
         for i, c in enumerate(task.classes_):
-            out[f"score_{c}"] = np.where(complete | allow_missing, scores[:, i], np.nan)
-    out["status"] = [s.strip().rstrip(";") if s != "scored" else s for s in status]
-    if allow_missing:
-        out.loc[~complete, "status"] = "scored without: " + out.loc[~complete, "status"].str.replace("not held by ", "")
-    scored = n if allow_missing else int(complete.sum())
-    fallback = f" ({n - int(complete.sum())} without every partner)" if allow_missing and not complete.all() else ""
-    say(f"scored {scored} of {n}{fallback}", 1.0)
-    without = {name: int((~mask).sum()) for name, mask in held.items()} if allow_missing else {}
-    return Scores(out, {party: counts for party, counts in fallbacks.items() if counts},
-                  {name: count for name, count in without.items() if count})
+            out[f"score_{c}"] = scores[:, i]
+    out["status"], out["parties"], out["model"] = status, parties, model
+    scored = model != ""
+    models = {str(m): int((model == m).sum()) for m in dict.fromkeys(model[scored])}
+    without = {name: int((scored & ~customers.held[name]).sum()) for name in names[1:]}
+    full = models.get("joint", 0)
+    say(f"scored {int(scored.sum())} of {n}" + (f" ({int(scored.sum()) - full} without every partner)"
+                                                  if scored.sum() > full else ""), 1.0)
+    fallbacks = {party: counts for party, counts in customers.fallbacks.items() if counts}
+    return Scores(out, fallbacks, {k: v for k, v in without.items() if v}, models, refused)
+
+
+def _joint(top: torch.nn.Module, aggregation: Aggregation, customers: _Customers, names: list[str],
+           rows: np.ndarray, task: Task) -> np.ndarray:
+    index = torch.from_numpy(rows)
+    with torch.no_grad():
+        return task.scores(top(aggregation.combine([customers.embeddings[n][index] for n in names])))
+
+
+def _partial(folder: Path, entry: SubsetEntry, task: Task, aggregation: Aggregation, customers: _Customers,
+             rows: np.ndarray, widths: dict[str, int]) -> np.ndarray:
+    """Scores of ``rows`` by the model for customers only ``entry.parties`` hold."""
+    if entry.kind == "bank-only":
+        bank_only = BankOnlyModel.load(folder, entry.files, task)
+        frame = customers.table.features.iloc[rows][list(bank_only.encoder_.schema.columns)]
+        scores, counted = bank_only.predict(frame)
+        if counted:
+            merge_fallbacks(customers.fallbacks.setdefault(f"{entry.parties[0]} (bank-only model)", {}), counted)
+        return scores
+    blob = verify_files(folder, entry.files, ("head.safetensors",))["head.safetensors"]
+    head = head_from_blob(blob, aggregation.width([widths[p] for p in entry.parties]), task)
+    index = torch.from_numpy(rows)
+    with torch.no_grad():
+        return task.scores(head(aggregation.combine([customers.embeddings[p][index] for p in entry.parties])))

@@ -29,6 +29,7 @@ from bank.party import TrainingParty
 from bank.recovery import Recovery
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
+from bank.subsets import partial_subsets
 from bank.task import Task
 from parties import fastops
 from parties.checkpoint import CheckpointWriter
@@ -95,6 +96,10 @@ class Coordinator(Recovery):
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
         self.writer = CheckpointWriter()
         self.rollbacks = 0
+        # Every party's embedding of every aligned row from the final weights, when heads for customers only
+        # some partners hold will be trained on them (two or more partners); the bank's to keep, like any
+        # evaluation embedding.
+        self.embeddings: dict[str, torch.Tensor] | None = None
 
     # --- calling every party at once ----------------------------------------------------
 
@@ -180,6 +185,17 @@ class Coordinator(Recovery):
         scores = self.task.scores(self._outputs(top, positions))
         return self.task.metrics(self.targets[torch.from_numpy(positions)], scores), scores
 
+    def _embed_all(self) -> dict[str, torch.Tensor]:
+        """Every party's embedding of every aligned row, in evaluation mode."""
+        n, size = len(self.targets), self.config.eval_batch_size
+        parts: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.parties}
+        for start in range(0, n, size):
+            rows = torch.arange(start, min(start + size, n))
+            for p, z in zip(self.parties, self._all(lambda p: p.embed(rows))):
+                parts[p.name].append(z)
+            self.eval_rows_sent += len(rows)
+        return {name: torch.cat(zs) for name, zs in parts.items()}
+
     def _record_embeddings(self, audit: AuditRecord) -> None:
         rows = torch.from_numpy(np.concatenate([self.split.val, self.split.test]).astype(np.int64))
         for p in self.parties[1:]:
@@ -250,6 +266,9 @@ class Coordinator(Recovery):
         self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
         self.writer.check()
         test, scores = self.evaluate(self.top, self.split.test)
+        if partial_subsets([p.name for p in self.parties]):
+            self.progress("embedding the aligned rows for the heads of partial subsets", TRAINING_SHARE)
+            self.embeddings = self._embed_all()
         if self.audit is not None:
             self._record_embeddings(self.audit)
         return test, scores

@@ -25,10 +25,10 @@ __all__ = ["MODEL_FILES", "ScoringBottom", "verify_files"]
 MODEL_FILES = ("bottom.safetensors", "encoder.json", "bottom-config.json")
 
 
-def verify_files(folder: Path, expected: dict[str, str]) -> dict[str, bytes]:
-    """Read the model files and check each one's SHA-256 against ``expected``; return their bytes."""
+def verify_files(folder: Path, expected: dict[str, str], names: tuple[str, ...] = MODEL_FILES) -> dict[str, bytes]:
+    """Read the model files ``names`` and check each one's SHA-256 against ``expected``; return their bytes."""
     blobs = {}
-    for name in MODEL_FILES:
+    for name in names:
         path = Path(folder) / name
         if name not in expected:
             raise DataError(f"the manifest names no digest for {name}")
