@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from alignment.parallel import start_fork_server
 from bank.config import TopConfig, TrainingConfig
+from bank.console import print_scoring, print_summary
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
@@ -158,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "as the walkthrough keeps it)")
     _add_log_level(r)
 
+    ss = command(sub, "subset-study", "customers no partner holds: the bank-only model's choice, and whether "
+                                      "unaligned customers help the joint model (simulation only)")
+    ss.add_argument("run", type=Path, nargs="?", default=None,
+                    help="run folder (default: the latest under runs/, here or above)")
+    ss.add_argument("--seeds", type=int, default=3, help="batch seeds for the joint model (default %(default)s)")
+    ss.add_argument("--partition", type=Path, default=None, help="every party's files (default: RUN/data)")
+    _add_log_level(ss)
+
     ps = command(sub, "privacy-study", "measure every defense's price and effect (simulation only)")
     ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
@@ -232,6 +241,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{note}")
         print(f"\nwritten to {run.path / 'analysis'}")
         return 0
+    if args.command == "subset-study":
+        from bank.analysis import load_run
+        from bank.subset_study import run_subset_study
+
+        run = load_run(args.run)
+        tables = run_subset_study(run, seeds=args.seeds, partition=args.partition)
+        (run.path / "analysis").mkdir(exist_ok=True)
+        for name, table in tables.items():
+            table.to_csv(run.path / "analysis" / f"subset_study_{name}.csv", index=False)
+            print(f"\n== {name}\n{table.to_string(index=False, float_format=lambda v: f'{v:.4f}')}")
+        print(f"\nwritten to {run.path / 'analysis'}")
+        return 0
     if args.command == "privacy-study":
         from bank.privacy_study import hijack_rates, run_study
 
@@ -291,18 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             job = operator.start_scoring(args.model, csv, args.allow_missing)
             result = _follow(operator, job, "scoring")
             args.out.write_bytes(operator.scores(job.job_id))
-        print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {args.out}")
-        for partner, reason in result.get("refused", {}).items():
-            print(f"  {partner} refused to align these customers: {reason}")
-        for model, count in result.get("models", {}).items():
-            if model != "joint":
-                print(f"  {count} scored by the {model} model, without the partners that do not hold them")
-        for partner, count in result.get("scored_without", {}).items():
-            print(f"  of which {count} scored without {partner}")
-        for party, columns in result.get("fallbacks", {}).items():
-            for column, counts in columns.items():
-                took = ", ".join(f"{n} {policy}" for policy, n in counts.items())
-                print(f"  {party} column {column!r}: {took} (encoded by the model's declared policy)")
+        print_scoring(result, args.out)
         return 0
     if args.command == "align":
         request = AlignmentRequest(
@@ -376,25 +386,6 @@ def _misplaced(key: str) -> str:
         return f"{key!r} is not a training setting (python -m bank train --print-config lists them)"
     example = f'{{"{homes[0]}": {{"{key}": ...}}}}'
     return f"{key!r} is not a top-level setting: it belongs under {' or '.join(map(repr, homes))}, e.g. {example}"
-
-
-def print_summary(out: Path, summary: dict[str, Any]) -> None:
-    alignment, test = summary["alignment"], summary["test"]
-    print(f"\nRun folder: {out}")
-    print(f"{'party':<12}{'customers':>10}")
-    for name, n in summary["rows_per_party"].items():
-        print(f"{name:<12}{n:>10}")
-    print(f"{'aligned':<12}{alignment['rows']:>10}   (alignment {alignment['alignment_id']})")
-    print(f"\nTest metrics (best epoch {summary['best_epoch']} of {summary['epochs_run']}):")
-    for metric, value in test.items():
-        print(f"  {metric:<10}{value:8.4f}")
-    for name, comm in summary["communication"].items():
-        print(f"\n{name}: {comm['round_trips']} round trips, {comm['bytes_per_step'] / 1024:.1f} KiB per step "
-              f"(minimum {comm['minimum_bytes_per_step'] / 1024:.1f} KiB: embedding + gradient)")
-    print("\nModel files (each party wrote its own):")
-    for name, path in summary["model_files"].items():
-        print(f"  {name:<10}{out / path}")
-    print(f"\nwall time: {summary['wall_seconds']} s")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ __all__ = [
     "load_run",
     "party_times",
     "privacy_study",
+    "reliability_figure",
     "resolve_run",
     "roc_pr_curves",
+    "subset_table",
     "write_report",
 ]
 
@@ -182,6 +184,35 @@ def roc_pr_curves(run: Run) -> Figure:
     return fig
 
 
+def subset_table(run: Run) -> pd.DataFrame:
+    """Per subset of parties scoring can meet and group of held-out customers: its model and how it did."""
+    rows = []
+    for subset, info in run.metrics.get("subsets", {}).items():
+        for group, figures in info["held_out"].items():
+            rows.append({"parties": subset, "model": info["model"], "held_out": group, "rows": figures["rows"],
+                         **{k: figures.get(k, np.nan) for k in ("roc_auc", "pr_auc", "brier", "mean_score",
+                                                                "observed_rate")}})
+    return pd.DataFrame(rows)
+
+
+def reliability_figure(run: Run) -> Figure | None:
+    """Mean score against observed rate in bins of held-out customers, per scoring path (binary tasks)."""
+    path = run.path / "calibration.csv"
+    if not path.exists():
+        return None
+    bins = pd.read_csv(path)
+    fig, ax = plt.subplots(figsize=(6.4, 5))
+    for (subset, group), table in bins.groupby(["subset", "held_out"], sort=False):
+        ax.plot(table["mean_score"], table["observed_rate"], marker="o", label=f"{subset}: {group}")
+    top = float(max(bins["mean_score"].max(), bins["observed_rate"].max()))
+    ax.plot([0, top], [0, top], color="grey", linestyle=":", label="perfectly calibrated")
+    ax.set(title="reliability: held-out customers in 10 bins by score", xlabel="mean score",
+           ylabel="observed rate")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
 def communication_table(run: Run) -> pd.DataFrame:
     """Per partner and epoch: bytes and round trips, next to the theoretical minimum."""
     epochs = max(len(run.history), 1)
@@ -267,8 +298,12 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
     tables: dict[str, pd.DataFrame] = {
         "communication": communication_table(run),
         "party_times": party_times(run),
+        "subsets": subset_table(run),
     }
     figures: dict[str, Figure] = {"learning_curves": learning_curves(run), "roc_pr": roc_pr_curves(run)}
+    reliability = reliability_figure(run)
+    if reliability is not None:
+        figures["reliability"] = reliability
     notes: list[str] = []
     if references:
         try:

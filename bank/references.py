@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,7 +31,7 @@ from parties.errors import DataError
 from parties.features import TabularEncoder
 from parties.model import BottomConfig
 
-__all__ = ["NoPartition", "joined_features", "reference_models"]
+__all__ = ["NoPartition", "fit_unsplit", "joined_features", "reference_models"]
 
 
 class NoPartition(DataError):
@@ -113,13 +114,19 @@ def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarra
     config = run.config
     bottoms = {"bank": BottomConfig.model_validate(config["bank_bottom"])}
     bottoms |= {n: _partner_bottom(run, n) for n in features if n != "bank"}
-    task = Task("binary")
+    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], Task("binary"))
+    return fit_unsplit(model, targets, splits, config, config["seed"])
+
+
+def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.ndarray], config: dict[str, Any],
+                seed: int) -> np.ndarray:
+    """Train ``model`` with the run's schedule (batches from ``seed``) and early stopping; its test scores."""
+    task = model.task
     y = torch.from_numpy(targets.astype(np.float32))
-    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], task)
     val, test = (torch.from_numpy(splits[k]) for k in ("val", "test"))
     best, best_state, stale = -1.0, None, 0
     for epoch in range(config["epochs"]):
-        model.train_batches(epoch_batches(splits["train"], config["batch_size"], config["seed"], epoch), y)
+        model.train_batches(epoch_batches(splits["train"], config["batch_size"], seed, epoch), y)
         with torch.no_grad():
             auc = skm.roc_auc_score(targets[splits["val"]], task.scores(model.eval()(val)))
         model.train()
@@ -148,6 +155,10 @@ def reference_models(run: Run, seed: int = 0, partition: Path | None = None) -> 
     everything = np.hstack(list(features.values()))
     rows = [{"model": "split model (this run)", "features": "all parties",
              "test_roc_auc": run.metrics["test"]["roc_auc"], "test_pr_auc": run.metrics["test"]["pr_auc"]}]
+    bank_only = run.metrics.get("subsets", {}).get("bank", {}).get("held_out", {}).get("aligned test, partners withheld")
+    if bank_only is not None:  # what scores customers no partner holds, trained on unaligned customers as well
+        rows.append({"model": "bank-only model (this run)", "features": "bank",
+                     "test_roc_auc": bank_only["roc_auc"], "test_pr_auc": bank_only["pr_auc"]})
     hgb = HistGradientBoostingClassifier(random_state=seed)
     rows.append(_scores("bank only: HistGradientBoosting", "bank", y[test],
                         hgb.fit(features["bank"][train], y[train]).predict_proba(features["bank"][test])[:, 1]))

@@ -81,6 +81,12 @@ def write_run(
         top=top_digest,
         subsets=subsets.save(run_dir / "model") if subsets is not None else {},
     ))
+    if subsets is not None and subsets.unaligned is not None:  # which unaligned customers trained, which judged
+        unaligned = subsets.unaligned
+        parts = {k: unaligned.rows[getattr(unaligned.split, k)] for k in ("train", "val", "test")}
+        pd.DataFrame({"bank_row": np.concatenate(list(parts.values())),
+                      "split": np.concatenate([[k] * len(v) for k, v in parts.items()])}
+                     ).sort_values("bank_row").to_csv(run_dir / "unaligned_split.csv", index=False)
     if subsets is not None and not subsets.calibration.empty:
         columns = ["subset", "held_out", "bin", "rows", "mean_score", "observed_rate"]
         subsets.calibration[columns].to_csv(run_dir / "calibration.csv", index=False)

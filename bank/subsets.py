@@ -152,6 +152,7 @@ class SubsetModels:
     """The trained models for partial subsets, and how every scoring path did on held-out customers."""
 
     names: list[str]
+    unaligned: BankRows | None = None  # the bank's customers outside the alignment, and their split
     bank_only: BankOnlyModel | None = None
     heads: dict[str, torch.nn.Module] = field(default_factory=dict)
     held_out: dict[str, dict[str, Any]] = field(default_factory=dict)  # metrics.json's "subsets"
@@ -206,18 +207,15 @@ def train_subset_models(
     _evaluate(models, full, "aligned test", task, targets[test], joint_test_scores)
 
     progress("the bank-only model, for customers no partner holds")
-    unaligned = unaligned_rows(table, aligned, task, config)
+    models.unaligned = unaligned = unaligned_rows(table, aligned, task, config)
     train_rows, train_targets = unaligned.part("train")
-    val_rows, val_targets = unaligned.part("val")
     train_rows = np.concatenate([aligned[split.train], train_rows])
-    val_rows = np.concatenate([aligned[split.val], val_rows])
     train_targets = torch.cat([targets[torch.from_numpy(split.train.astype(np.int64))], train_targets])
-    val_targets = torch.cat([targets[torch.from_numpy(split.val.astype(np.int64))], val_targets])
     features = table.features[list(table.schema.columns)]
     bank = names[0]
     try:
         models.bank_only = BankOnlyModel(task, seed=config.seed).fit(
-            features.iloc[train_rows], table.schema, train_targets, features.iloc[val_rows], val_targets)
+            features.iloc[train_rows], table.schema, train_targets)
     except DataError as exc:
         logger.warning("no bank-only model: %s", exc)
     if models.bank_only is not None:

@@ -26,7 +26,8 @@ __all__ = ["WalkthroughConfig", "run_walkthrough"]
 logger = logging.getLogger(__name__)
 
 #: The bank's run files the walkthrough also puts at the top of its run folder.
-RUN_FILES = ("config.json", "metrics.json", "history.csv", "test_predictions.csv", "split.csv")
+RUN_FILES = ("config.json", "metrics.json", "history.csv", "test_predictions.csv", "split.csv", "calibration.csv",
+             "unaligned_split.csv")
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,13 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
 
     run_dir = Path(result["run_dir"])
     for name in RUN_FILES:
-        shutil.copy(run_dir / name, out / name)
+        if (run_dir / name).exists():  # calibration.csv: binary tasks only
+            shutil.copy(run_dir / name, out / name)
     summary = {
         "rows_per_party": {n: sum(1 for _ in p.open()) - 1 for n, p in paths.items()},
         "alignment": alignment,
         "test": result["test"],
+        "subsets": result["subsets"],
         "best_epoch": result["best_epoch"],
         "epochs_run": result["epochs_run"],
         "communication": result["communication"],

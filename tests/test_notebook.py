@@ -110,10 +110,10 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     images = sum(1 for c in executed.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
-    assert images == 5
+    assert images == 6
 
     analysis = audited_run / "analysis"
-    for name in ("learning_curves", "roc_pr", "comparison", "label_leakage"):
+    for name in ("learning_curves", "roc_pr", "comparison", "label_leakage", "reliability"):
         assert (analysis / f"{name}.png").stat().st_size > 10_000
     metrics = json.loads((audited_run / "metrics.json").read_text())
 
@@ -124,6 +124,15 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     assert auc["centralised: unsplit MLP (same architecture)"] == pytest.approx(auc["split model (this run)"], abs=1e-12)
     assert auc["bank only: HistGradientBoosting"] < auc["centralised: HistGradientBoosting"] - 0.1
     assert ((auc > 0.5) & (auc <= 1)).all()
+    # Section 6: every scoring path judged on held-out customers, the unaligned ones among them.
+    subsets = pd.read_csv(analysis / "subsets.csv").set_index(["parties", "held_out"])
+    assert list(subsets.index) == [("bank+partner", "aligned test"), ("bank", "unaligned test"),
+                                   ("bank", "aligned test, partners withheld")]
+    assert subsets.loc[("bank", "unaligned test"), "rows"] > 0
+    assert auc["bank-only model (this run)"] == pytest.approx(
+        subsets.loc[("bank", "aligned test, partners withheld"), "roc_auc"])
+    (section6,) = [c for c in executed.cells if c.cell_type == "code" and 'tables["subsets"]' in c.source]
+    assert "bank-only" in _text(section6) and any("image/png" in o.get("data", {}) for o in section6.outputs)
 
     communication = pd.read_csv(analysis / "communication.csv")
     assert (communication["MB_per_epoch"] >= communication["minimum_MB_per_epoch"]).all()
@@ -149,3 +158,19 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     rates = pd.read_csv(study / "hijack_monitor.csv").set_index("measure")["value"]
     assert rates["detection rate (hijacking runs alarmed)"] == 1.0
     assert rates["false-alarm rate (honest runs alarmed)"] == 0.0
+
+
+def test_the_subset_study_compares_the_bank_only_choices_on_the_run(audited_run: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "bank", "subset-study", str(audited_run), "--seeds", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    analysis = audited_run / "analysis"
+    bank_only = pd.read_csv(analysis / "subset_study_bank_only.csv")
+    assert bank_only.shape == (2, 3) and bank_only.iloc[:, 1:].stack().between(0.5, 1).all()
+    metrics = json.loads((audited_run / "metrics.json").read_text())
+    # Its first row is the run's own bank-only model, on the same held-out customers.
+    assert bank_only.iloc[0, 1] == pytest.approx(metrics["subsets"]["bank"]["held_out"]["unaligned test"]["roc_auc"])
+    warm = pd.read_csv(analysis / "subset_study_warm_start.csv")
+    # Batch seed 0 from the bottom's own initial weights is the run's split model, bit for bit.
+    assert warm.loc[0, "from its own initial weights"] == pytest.approx(metrics["test"]["roc_auc"], abs=1e-12)
+    assert 0.5 < warm.loc[0, "bank bottom pretrained"] <= 1
