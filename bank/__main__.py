@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from alignment.parallel import start_fork_server
 from bank.config import TopConfig, TrainingConfig
-from bank.console import print_scoring, print_summary
+from bank.cli import print_scoring, print_summary
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough

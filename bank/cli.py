@@ -1,4 +1,4 @@
-"""What the bank's CLI prints: the walkthrough's summary, and what a scoring job did."""
+"""The bank CLI's output: the walkthrough's summary, and what a scoring job did (used by `python -m bank`)."""
 
 from __future__ import annotations
 
