@@ -42,24 +42,22 @@ class LocalPsiPeer:
         self.sent.append(data)
         self._session(session_id).receive_blinded(index, data)
 
-    def get_blinded(self, session_id: str, index: int) -> bytes:
-        data = self._session(session_id).blinded_chunk(index, timeout=600)
-        self.received.append(data)
-        return data
-
-    def put_reblinded(self, session_id: str, index: int, data: bytes) -> None:
-        self.sent.append(data)
-        self._session(session_id).receive_reblinded(index, data)
-
     def get_reblinded(self, session_id: str, index: int) -> bytes:
         data = self._session(session_id).reblinded_chunk(index, timeout=600)
         self.received.append(data)
         return data
 
-    def abort(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+    def get_blinded(self, session_id: str, index: int) -> bytes:
+        data = self._session(session_id).blinded_chunk(index, timeout=600)
+        self.received.append(data)
+        return data
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes) -> int:
+    def abort(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.close()
+
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray) -> int:
         self.sent.append(positions.astype("<u4").tobytes())
-        self.committed = (alignment_id, self._session(session_id).finish(positions, digest))
+        self.committed = (alignment_id, self._session(session_id).finish(positions))
         return len(positions)

@@ -17,7 +17,9 @@ import multiprocessing.forkserver
 import os
 import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+import threading
+from concurrent.futures import CancelledError, Executor, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 
 from alignment import curve
@@ -90,15 +92,36 @@ class WorkerPool:
         slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
         return b"".join(self._pool().map(_hash_slice, slices))
 
-    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES) -> bytes:
-        """``curve.blind`` over all cores."""
+    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
+              cancel: threading.Event | None = None) -> bytes:
+        """``curve.blind`` over all cores; ``cancel`` set stops it between slices (``CancelledError``)."""
         n = len(points) // curve.POINT_BYTES
-        if not self._parallel(n):
-            return curve.blind(key, points, out_bytes)
         step = SLICE_RECORDS * curve.POINT_BYTES
-        slices = [points[i : i + step] for i in range(0, len(points), step)]
+        slices = [points[i : i + step] for i in range(0, len(points), step)] or [b""]
         fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes)
-        return b"".join(self._pool().map(fn, slices))
+        if not self._parallel(n):
+            parts = []
+            for part in slices:
+                if cancel is not None and cancel.is_set():
+                    raise CancelledError("blinding cancelled")
+                parts.append(fn(part))
+            return b"".join(parts)
+        futures = [self._pool().submit(fn, part) for part in slices]
+        try:
+            parts = []
+            for future in futures:
+                while True:
+                    if cancel is not None and cancel.is_set():
+                        raise CancelledError("blinding cancelled")
+                    try:
+                        parts.append(future.result(timeout=0.2))
+                        break
+                    except FuturesTimeout:
+                        continue
+            return b"".join(parts)
+        finally:
+            for future in futures:  # whatever has not started never will
+                future.cancel()
 
     def close(self) -> None:
         if self._executor is not None:

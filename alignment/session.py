@@ -1,33 +1,45 @@
-"""Two-party ECDH-PSI: session state and the protocol driver, with no transport.
+"""Two-party ECDH-PSI with one-sided output: session state and the protocol driver, with no transport.
 
 The protocol (A: initiator, the bank; B: responder, a partner; ``H`` hashes
-onto the curve, ``a``/``b`` are fresh per-session keys)::
+onto the curve, ``a``/``b`` are fresh per-session keys; ``π_A``/``π_B`` are fresh
+per-session random permutations)::
 
-    A -> B   open(n_A)                           B answers n_B and starts blinding H(Y)^b
-    A -> B   H(X)^a          (32 B per ID)        B starts computing H(X)^ab
-    B -> A   H(Y)^b          (32 B per ID)        A computes H(Y)^ba
-    A -> B   H(Y)^ba         (12 B per ID)        B now holds both double-blinded sets
-    B -> A   H(X)^ab         (12 B per ID)        A now holds both double-blinded sets
-    A -> B   commit(positions, digest)            B keeps its aligned rows
+    A -> B   open(n_A)                           B answers n_B and starts blinding its set
+    A -> B   π_A(H(X))^a     (32 B per ID)        B starts computing H(X)^ab in A's order
+    B -> A   π_A(H(X))^ab    (12 B per ID)        A maps each value back to its own row
+    B -> A   π_B(H(Y))^b     (32 B per ID)        A computes H(Y)^ba and intersects
+    A -> B   commit(positions into π_B's order)   B keeps those rows, in that order
 
-Both sides intersect the truncated double-blinded values and order the
-intersection by them, so both get the same order without revealing an ID.
-Only blinded values cross: 32 + 12 = 44 bytes per input ID.
+Only the bank learns the intersection. Each side sends its blinded set in a
+fresh random order, so neither learns the other's file order; the partner
+learns only the rows the bank commits (and their training order), never its
+pairwise intersection beyond them. The bank sends nothing after it receives
+the partner's values but the commit, so a partner cannot echo the bank's own
+values back to make up an intersection.
+
+What a dishonest partner can still do: claim IDs it does not hold (it can
+hash any ID it guesses), or return values out of order (which only corrupts
+the bank's result). What a dishonest bank can do: commit rows that are not in
+the intersection, up to the partner's whole table (the partner cannot check
+a one-sided result); the partner's defence is its policy: per-bank budgets
+enforced before any blinding (``parties.settings``), sessions bound to the
+bank's certificate, and the minimum commit size.
 
 Truncation: 12 bytes (96 bits). For sets of n_A, n_B items the chance that
 any two different IDs share a truncated value is at most n_A * n_B / 2**96,
-i.e. 2**-48 at 2**24 IDs on each side.
+i.e. 2**-48 at 2**24 IDs on each side. Bytes per ID: 32 + 12 one way for the
+bank's IDs, 32 for the partner's: 38 per ID for sets of equal size.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,33 +48,38 @@ import numpy as np
 from alignment import curve
 from alignment.parallel import WorkerPool
 from parties.errors import (
-    AlignmentMismatch,
     BadMessage,
     IntersectionTooSmall,
     NotReady,
     OutOfOrder,
     PeerError,
+    UnknownSession,
 )
 
 __all__ = [
     "CHUNK_ITEMS",
+    "MAX_IDS",
     "PROTOCOL_VERSION",
     "TRUNCATED_BYTES",
     "PsiPeer",
     "PsiResponder",
     "PsiResult",
     "SessionInfo",
+    "fresh_order",
     "intersect",
     "run_initiator",
 ]
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+#: 2: one-sided output, shuffled sets, the bank receives before it sends anything echoable.
+PROTOCOL_VERSION = 2
 TRUNCATED_BYTES = 12
 #: IDs per chunk on the wire: 2 MiB of 32-byte points.
 CHUNK_ITEMS = 1 << 16
 MAX_CHUNK_ITEMS = 1 << 18
+#: The most IDs either side of a session accepts from the other (the protocol's bound; policies are lower).
+MAX_IDS = 1 << 26
 
 
 def n_chunks(count: int, chunk_items: int) -> int:
@@ -76,34 +93,44 @@ def chunk_of(blob: bytes, index: int, chunk_items: int, width: int) -> bytes:
 
 @dataclass(frozen=True)
 class PsiResult:
-    """One side's view of the intersection.
+    """The bank's view of the intersection.
 
-    ``rows`` indexes this party's own ID list, in the agreed order; ``digest``
-    commits to the ordered double-blinded values, so two sides can check they
-    agree without showing them.
+    ``rows`` indexes the bank's own ID list and ``peer_positions`` the partner's blinded set as the
+    partner sent it (its own random order), pair by pair, in the agreed order: by double-blinded value.
     """
 
     rows: np.ndarray
-    digest: bytes
+    peer_positions: np.ndarray
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
-def intersect(own_double: bytes, peer_double: bytes, width: int = TRUNCATED_BYTES) -> PsiResult:
-    """Intersect two sets of double-blinded values; order by value."""
-    for name, blob in (("own", own_double), ("peer", peer_double)):
-        if len(blob) % width:
-            raise BadMessage(f"{name} double-blinded set is not a whole number of {width}-byte values")
-    own = np.frombuffer(own_double, dtype=f"S{width}")
-    peer = np.frombuffer(peer_double, dtype=f"S{width}")
-    for name, values in (("own", own), ("peer", peer)):
-        if len(np.unique(values)) != len(values):
-            raise BadMessage(f"the {name} double-blinded set repeats a value")
-    # Fixed-width byte strings sort by their raw bytes: the order both sides agree on.
-    common, own_idx, _ = np.intersect1d(own, peer, return_indices=True)
-    digest = hashlib.sha256(common.tobytes()).digest()
-    return PsiResult(rows=own_idx.astype(np.int64), digest=digest)
+def _unique(blob: bytes, width: int, what: str) -> np.ndarray:
+    if len(blob) % width:
+        raise BadMessage(f"the {what} is not a whole number of {width}-byte values")
+    values = np.frombuffer(blob, dtype=f"S{width}")
+    if len(np.unique(values)) != len(values):
+        raise BadMessage(f"the {what} repeats a value")
+    return values
+
+
+def intersect(own_double: bytes, peer_double: bytes, width: int = TRUNCATED_BYTES) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in each of two sets of double-blinded values of their common values, ordered by value."""
+    own = _unique(own_double, width, "own double-blinded set")
+    peer = _unique(peer_double, width, "peer double-blinded set")
+    # Fixed-width byte strings sort by their raw bytes: an order that says nothing about either file.
+    _, own_idx, peer_idx = np.intersect1d(own, peer, return_indices=True)
+    return own_idx.astype(np.int64), peer_idx.astype(np.int64)
+
+
+def _permuted(points: bytes, order: np.ndarray) -> bytes:
+    return np.frombuffer(points, dtype=f"S{curve.POINT_BYTES}")[order].tobytes() if len(order) else b""
+
+
+def fresh_order(n: int) -> np.ndarray:
+    """A random permutation of ``range(n)`` from the OS's randomness: the order a blinded set is sent in."""
+    return np.random.default_rng(secrets.randbits(128)).permutation(n)
 
 
 class ChunkedReceiver:
@@ -152,16 +179,18 @@ class PsiPeer(Protocol):
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None: ...
 
-    def get_blinded(self, session_id: str, index: int) -> bytes: ...
+    def get_reblinded(self, session_id: str, index: int) -> bytes:
+        """Chunk ``index`` of our blinded set, blinded again by the peer, in the order we sent it."""
+        ...
 
-    def put_reblinded(self, session_id: str, index: int, data: bytes) -> None: ...
-
-    def get_reblinded(self, session_id: str, index: int) -> bytes: ...
+    def get_blinded(self, session_id: str, index: int) -> bytes:
+        """Chunk ``index`` of the peer's blinded set, in the peer's random order."""
+        ...
 
     def abort(self, session_id: str) -> None: ...
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes) -> int:
-        """Tell the peer which of its intersected rows to keep, in which order; returns its row count."""
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray) -> int:
+        """Tell the peer which of its blinded set's positions to keep, in which order; returns its row count."""
         ...
 
 
@@ -170,19 +199,22 @@ def _wait(future: Future[bytes], timeout: float, what: str) -> bytes:
         return future.result(timeout=timeout)
     except TimeoutError as exc:
         raise NotReady(f"{what} is not ready yet; retry") from exc
-    except ValueError as exc:  # low-order point from the peer
+    except CancelledError as exc:
+        raise UnknownSession("the PSI session was aborted") from exc
+    except ValueError as exc:  # an invalid point from the peer
         raise BadMessage(f"{what}: {exc}") from exc
 
 
 @dataclass
 class PsiResponder:
-    """The responder's side of one session: a fresh key, the rounds, the result."""
+    """The responder's side of one session: a fresh key and order, the rounds, the committed rows."""
 
     own_points: bytes
     peer_count: int
     pool: WorkerPool
     threads: ThreadPoolExecutor
     chunk_items: int = CHUNK_ITEMS
+    owner: str = ""  # the bank's certificate name: only it may use the session
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -193,21 +225,30 @@ class PsiResponder:
             raise BadMessage("peer count must be non-negative")
         self._key = curve.generate_key()
         self._lock = threading.Lock()
+        self.cancelled = threading.Event()
         self.own_count = len(self.own_points) // curve.POINT_BYTES
+        self._order = fresh_order(self.own_count)
         self._peer_blinded = ChunkedReceiver("blinded", self.peer_count, curve.POINT_BYTES, self.chunk_items)
-        self._own_double = ChunkedReceiver("re-blinded", self.own_count, TRUNCATED_BYTES, self.chunk_items)
-        self._own_blinded: Future[bytes] = self.threads.submit(self.pool.blind, self._key, self.own_points)
+        shuffled = _permuted(self.own_points, self._order)
+        self._own_blinded: Future[bytes] = self.threads.submit(
+            self.pool.blind, self._key, shuffled, curve.POINT_BYTES, self.cancelled)
         self._peer_double: Future[bytes] | None = None
-        self._result: PsiResult | None = None
         self._start_reblinding()
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def close(self) -> None:
+        """Stop the session's blinding: slices not yet started never run."""
+        self.cancelled.set()
+        for future in (self._own_blinded, self._peer_double):
+            if future is not None:
+                future.cancel()
+
     def _start_reblinding(self) -> None:
         if self._peer_double is None and self._peer_blinded.complete:
             self._peer_double = self.threads.submit(
-                self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES
+                self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES, self.cancelled
             )
 
     def receive_blinded(self, index: int, data: bytes) -> None:
@@ -225,36 +266,29 @@ class PsiResponder:
             raise OutOfOrder("the peer's blinded set is not complete yet")
         return chunk_of(_wait(self._peer_double, timeout, "the re-blinded set"), index, self.chunk_items, TRUNCATED_BYTES)
 
-    def receive_reblinded(self, index: int, data: bytes) -> None:
-        with self._lock:
-            if self._peer_double is None:
-                raise OutOfOrder("send the blinded set before the re-blinded one")
-            self._own_double.add(index, data)
-
-    def outcome(self, timeout: float) -> PsiResult:
-        """This side's intersection, once both double-blinded sets are here."""
-        with self._lock:
-            if self._result is None:
-                if self._peer_double is None or not self._own_double.complete:
-                    raise OutOfOrder("the exchange is not complete")
-                peer_double = _wait(self._peer_double, timeout, "the re-blinded set")
-                self._result = intersect(self._own_double.value(), peer_double)
-            return self._result
-
-    def finish(self, positions: np.ndarray, digest: bytes, timeout: float = 600.0) -> np.ndarray:
-        """Check the initiator's digest and return this party's rows in the final order."""
-        result = self.outcome(timeout)
-        if digest != result.digest:
-            raise AlignmentMismatch("the two sides computed different intersections; nothing was kept")
-        if len(positions) and (positions.min() < 0 or positions.max() >= len(result)):
-            raise BadMessage("commit positions fall outside the intersection")
+    def finish(self, positions: np.ndarray) -> np.ndarray:
+        """This party's rows at ``positions`` of the blinded set it sent, in the bank's order."""
+        if self._peer_double is None:
+            raise OutOfOrder("the exchange is not complete")
+        if len(positions) and (positions.min() < 0 or positions.max() >= self.own_count):
+            raise BadMessage(f"commit positions fall outside the {self.own_count} rows sent")
         if len(np.unique(positions)) != len(positions):
             raise BadMessage("commit positions repeat a row")
-        return result.rows[positions]
+        return self._order[positions].astype(np.int64)
 
     def _check_index(self, index: int, count: int) -> None:
         if not 0 <= index < max(1, n_chunks(count, self.chunk_items)):
             raise BadMessage(f"chunk {index} does not exist")
+
+
+def _receive(what: str, count: int, width: int, chunk_items: int, get: Callable[[int], bytes]) -> bytes:
+    received = ChunkedReceiver(what, count, width, chunk_items)
+    for i in range(received.expected_chunks()):
+        try:
+            received.add(i, get(i))
+        except (BadMessage, OutOfOrder) as exc:
+            raise PeerError(f"the peer sent a bad {what}: {exc}") from exc
+    return received.value()
 
 
 def run_initiator(
@@ -263,34 +297,41 @@ def run_initiator(
     pool: WorkerPool,
     *,
     chunk_items: int = CHUNK_ITEMS,
+    max_peer_count: int = MAX_IDS,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[str, PsiResult]:
-    """Run the initiator's side of one session against ``peer``; return (session id, result)."""
+    """Run the initiator's side of one session against ``peer``; return (session id, result).
+
+    Every size the peer announces is checked against what was agreed before anything is read.
+    """
     say = progress or (lambda _msg: None)
     own_count = len(own_points) // curve.POINT_BYTES
     key = curve.generate_key()
+    order = fresh_order(own_count)
     info = peer.open(own_count, chunk_items)
     try:
-        chunk_items = info.chunk_items
+        if info.chunk_items != chunk_items:
+            raise PeerError(f"the peer answered chunks of {info.chunk_items} IDs; {chunk_items} were asked")
+        if not 0 <= info.peer_count <= max_peer_count:
+            raise PeerError(f"the peer announced {info.peer_count} IDs; at most {max_peer_count} are accepted")
         say("blinding own IDs")
-        own_blinded = pool.blind(key, own_points)
+        shuffled = _permuted(own_points, order)
+        own_blinded = pool.blind(key, shuffled)
         for i in range(n_chunks(own_count, chunk_items)):
             peer.put_blinded(info.session_id, i, chunk_of(own_blinded, i, chunk_items, curve.POINT_BYTES))
+        say("receiving own IDs blinded by the peer")
+        own_double = _receive("re-blinded set", own_count, TRUNCATED_BYTES, chunk_items,
+                              lambda i: peer.get_reblinded(info.session_id, i))
         say("receiving the peer's blinded IDs")
-        received = ChunkedReceiver("peer blinded", info.peer_count, curve.POINT_BYTES, chunk_items)
-        for i in range(received.expected_chunks()):
-            received.add(i, peer.get_blinded(info.session_id, i))
+        peer_blinded = _receive("blinded set", info.peer_count, curve.POINT_BYTES, chunk_items,
+                                lambda i: peer.get_blinded(info.session_id, i))
         say("re-blinding the peer's IDs")
         try:
-            peer_double = pool.blind(key, received.value(), TRUNCATED_BYTES)
-        except ValueError as exc:
-            raise PeerError(f"the peer sent an invalid point: {exc}") from exc
-        for i in range(n_chunks(info.peer_count, chunk_items)):
-            peer.put_reblinded(info.session_id, i, chunk_of(peer_double, i, chunk_items, TRUNCATED_BYTES))
-        own_double = ChunkedReceiver("own re-blinded", own_count, TRUNCATED_BYTES, chunk_items)
-        for i in range(own_double.expected_chunks()):
-            own_double.add(i, peer.get_reblinded(info.session_id, i))
-        return info.session_id, intersect(own_double.value(), peer_double)
+            peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES)
+            own_idx, peer_idx = intersect(own_double, peer_double)
+        except (ValueError, BadMessage) as exc:
+            raise PeerError(f"the peer's values are unusable: {exc}") from exc
+        return info.session_id, PsiResult(rows=order[own_idx].astype(np.int64), peer_positions=peer_idx)
     except BaseException:
         try:
             peer.abort(info.session_id)

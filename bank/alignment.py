@@ -5,8 +5,9 @@ customers every party holds. Their order is a seeded pseudo-random
 permutation (by ``SHA-256(seed, ID)``, computed at the bank), so the same data
 and seed always give the same order, and hence the same split and the same
 model, while the order says nothing about the bank's own file. Each partner is
-then told which of its intersected rows to keep and in which order, as
-positions in its own pairwise order (no IDs).
+then told which of its rows to keep and in which order, as positions in the
+blinded set it sent in its own random order (no IDs): it learns those rows and
+nothing of its pairwise intersection beyond them.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def seeded_order(table: PartyTable, rows: np.ndarray, seed: int) -> np.ndarray:
 
 
 def _positions_in(result: PsiResult, bank_rows: np.ndarray, n_bank: int) -> np.ndarray:
-    """Where each of ``bank_rows`` stands in ``result``'s order."""
+    """The partner's position (in the blinded set it sent) of each of ``bank_rows``."""
     where = np.full(n_bank, -1, dtype=np.int64)
-    where[result.rows] = np.arange(len(result.rows))
+    where[result.rows] = result.peer_positions
     return where[bank_rows]
 
 
@@ -80,7 +81,7 @@ def align_with_partners(
         pairwise = {name: len(result) for name, (_, result) in results.items()}
         say("committing the alignment")
         for name, (session_id, result) in list(results.items()):
-            partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)), result.digest)
+            partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)))
             del results[name]
     except BaseException:
         for name, (session_id, _) in results.items():

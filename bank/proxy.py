@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
 
-from alignment.session import SessionInfo
+from alignment.curve import POINT_BYTES
+from alignment.session import CHUNK_ITEMS, TRUNCATED_BYTES, SessionInfo
 from parties.channel import Channel
 from parties.client import expect_server
 from parties.errors import (
@@ -37,7 +38,6 @@ from parties.errors import (
 )
 from parties.protocol import (
     ALIGNMENT_HEADER,
-    DIGEST_HEADER,
     OCTET_STREAM,
     PURPOSE_HEADER,
     AlignmentInfo,
@@ -84,6 +84,10 @@ _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch":
               "UnknownSession": UnknownSession, "StorageError": StorageError}
 
 
+#: The most a refusal's body may hold: the error and its reason.
+ERROR_BODY_LIMIT = 1 << 16
+
+
 class HttpPartner:
     """A partner service reached over (mutual-TLS) HTTP."""
 
@@ -106,16 +110,20 @@ class HttpPartner:
         self.round_trips = 0
         self.session_id = ""
         self.width = 0
+        self._chunk_items = CHUNK_ITEMS  # the PSI chunk size agreed at the last open
         self.durable: int | None = None  # the newest step the partner says it has on disk
+
+    def _unreachable(self, exc: httpx.HTTPError, what: str) -> PeerError:
+        untrusted = handshake_failure(exc)
+        if untrusted:
+            return PeerUntrusted(f"partner {self.name!r} at {self.url} answered ({what}), but {untrusted}")
+        return PeerUnavailable(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}")
 
     def _call(self, method: str, path: str, what: str, **kwargs: object) -> httpx.Response:
         try:
             response = self.client.request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
-            untrusted = handshake_failure(exc)
-            if untrusted:
-                raise PeerUntrusted(f"partner {self.name!r} at {self.url} answered ({what}), but {untrusted}") from exc
-            raise PeerUnavailable(f"partner {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
+            raise self._unreachable(exc, what) from exc
         self.bytes_sent += len(response.request.content or b"")
         self.bytes_received += len(response.content)
         self.round_trips += 1
@@ -136,11 +144,34 @@ class HttpPartner:
         error = _PASSED_ON.get(kind, PeerError)
         raise error(f"partner {self.name!r} refused {what} (HTTP {status}): {detail}")
 
-    def _get_when_ready(self, path: str, what: str) -> bytes:
+    def _get_bounded(self, path: str, what: str, limit: int) -> bytes:
+        """GET ``path`` reading at most ``limit`` bytes of body (an error's body: 64 KiB), whatever the peer
+        announces or sends: a partner cannot make the bank read more than was agreed."""
+        body = bytearray()
+        try:
+            with self.client.stream("GET", f"{self.url}{path}") as response:
+                cap = limit if response.is_success else ERROR_BODY_LIMIT
+                declared = response.headers.get("content-length", "0")
+                if not declared.isdigit() or int(declared) > cap:
+                    raise PeerError(f"partner {self.name!r} announced {declared} bytes for {what}; at most {cap} "
+                                    "were agreed")
+                for part in response.iter_bytes():
+                    body += part
+                    if len(body) > cap:
+                        raise PeerError(f"partner {self.name!r} sent more than the {cap} bytes agreed for {what}")
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc, what) from exc
+        self.bytes_received += len(body)
+        self.round_trips += 1
+        if not response.is_success:
+            self._refused(response.status_code, bytes(body), what)
+        return bytes(body)
+
+    def _get_when_ready(self, path: str, what: str, limit: int) -> bytes:
         deadline = time.monotonic() + self.wait_deadline
         while True:
             try:
-                return self._call("GET", path, what).content
+                return self._get_bounded(path, what, limit)
             except NotReady:
                 if time.monotonic() > deadline:
                     raise PeerError(f"partner {self.name!r} was not ready with {what} in {self.wait_deadline:.0f}s")
@@ -150,6 +181,7 @@ class HttpPartner:
         response = self._call("POST", "/psi/sessions", "opening a PSI session", json=body)
         expect_server(response, self.name, "partner")
         info = PsiOpenResponse.model_validate(response.json())
+        self._chunk_items = chunk_items  # what was agreed bounds every chunk read (run_initiator checks the answer)
         return SessionInfo(info.session, info.count, info.chunk_items)
 
     def _put(self, path: str, data: bytes, what: str) -> None:
@@ -159,24 +191,20 @@ class HttpPartner:
         self._put(f"/psi/sessions/{session_id}/blinded/{index}", data, "blinded IDs")
 
     def get_blinded(self, session_id: str, index: int) -> bytes:
-        return self._get_when_ready(f"/psi/sessions/{session_id}/blinded/{index}", "its blinded IDs")
-
-    def put_reblinded(self, session_id: str, index: int, data: bytes) -> None:
-        self._put(f"/psi/sessions/{session_id}/reblinded/{index}", data, "re-blinded IDs")
+        return self._get_when_ready(f"/psi/sessions/{session_id}/blinded/{index}", "its blinded IDs",
+                                    self._chunk_items * POINT_BYTES)
 
     def get_reblinded(self, session_id: str, index: int) -> bytes:
-        return self._get_when_ready(f"/psi/sessions/{session_id}/reblinded/{index}", "the re-blinded IDs")
+        return self._get_when_ready(f"/psi/sessions/{session_id}/reblinded/{index}", "the re-blinded IDs",
+                                    self._chunk_items * TRUNCATED_BYTES)
 
-    def commit(
-        self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes, purpose: str = "training"
-    ) -> int:
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training") -> int:
         response = self._call(
             "POST",
             f"/psi/sessions/{session_id}/commit",
             "the alignment",
             content=positions.astype("<u4").tobytes(),
-            headers={"content-type": OCTET_STREAM, DIGEST_HEADER: digest.hex(), ALIGNMENT_HEADER: alignment_id,
-                     PURPOSE_HEADER: purpose},
+            headers={"content-type": OCTET_STREAM, ALIGNMENT_HEADER: alignment_id, PURPOSE_HEADER: purpose},
         )
         return AlignmentInfo.model_validate(response.json()).rows
 

@@ -86,7 +86,7 @@ class _Customers:
         session_id, result = run_initiator(partner, points, pool)
         scoring_id = uuid.uuid4().hex
         try:
-            partner.commit(session_id, scoring_id, np.arange(len(result)), result.digest, purpose="scoring")
+            partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring")
         except IntersectionTooSmall as exc:  # the partner's policy: none of them is scored with it
             self.why[name] = f"{name} refused the alignment"
             with contextlib.suppress(CutlayerError):

@@ -18,6 +18,7 @@ The tree::
     │       └── BudgetExhausted     the release would pass the privacy budget  -> 409
     ├── Forbidden                   the caller's certificate lacks the role    -> 403
     │   └── HijackSuspected         the partner's monitor saw a hijacking bank -> 403
+    ├── OverBudget                  the caller used up its PSI budget for now  -> 429
     ├── AlignmentError              private set intersection could not finish  -> 422
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
     │   └── AlignmentMismatch       the two sides computed different results
@@ -47,6 +48,7 @@ __all__ = [
     "NotAligned",
     "NotReady",
     "OutOfOrder",
+    "OverBudget",
     "PayloadTooLarge",
     "StorageError",
     "PeerError",
@@ -127,6 +129,10 @@ class Forbidden(CutlayerError):
 
 class HijackSuspected(Forbidden):
     pass
+
+
+class OverBudget(CutlayerError):
+    status_code = 429
 
 
 class AlignmentError(CutlayerError):

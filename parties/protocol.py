@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "ALIGNMENT_HEADER",
     "CALLER_HEADER",
-    "DIGEST_HEADER",
     "OCTET_STREAM",
     "PURPOSE_HEADER",
     "SCHEMA_VERSION",
@@ -38,7 +37,6 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 OCTET_STREAM = "application/octet-stream"
-DIGEST_HEADER = "x-cutlayer-digest"
 ALIGNMENT_HEADER = "x-cutlayer-alignment"
 #: Only honoured in --insecure mode, where no certificate can say who calls.
 CALLER_HEADER = "x-cutlayer-caller"
@@ -64,6 +62,7 @@ class Identity(Message):
 
 
 class PsiOpenRequest(Message):
+    version: int = Field(2, description="the PSI protocol version (alignment.session.PROTOCOL_VERSION)")
     count: int = Field(ge=0, le=1 << 26, description="IDs the initiator will send")
     chunk_items: int = Field(ge=1, le=1 << 18)
 

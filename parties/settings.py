@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parties.dataset import PartyTable, load_party_table
@@ -103,6 +103,20 @@ class ServiceSettings(BaseSettings):
         return self.state_path / "psi-cache"
 
 
+class PsiBudget(BaseModel):
+    """What one bank's PSI sessions may cost this partner, enforced before any blinding.
+
+    A bank learns, from each session, which of the IDs it sent this partner holds: these bound how
+    many it can ask about, and how often, whatever it pads its sets with.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_ids_per_session: int = Field(1 << 24, ge=1, le=1 << 26, description="IDs one session may bring")
+    sessions_per_hour: int = Field(30, ge=1, description="sessions one bank may open per hour (aborted ones count)")
+    ids_per_day: int = Field(1 << 26, ge=1, description="IDs one bank may bring in 24 hours, over all sessions")
+
+
 class PartnerSettings(ServiceSettings):
     """A passive party: it holds features, no labels, and answers the bank."""
 
@@ -121,6 +135,8 @@ class PartnerSettings(ServiceSettings):
 
     psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
     max_psi_sessions: int = Field(4, ge=1)
+    psi_budget: PsiBudget = Field(default_factory=lambda: PsiBudget(),
+                                  description="per bank: what its PSI sessions may cost, checked before any blinding")
 
 
 class BankSettings(ServiceSettings):

@@ -13,7 +13,8 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import PsiResponder, check_minimum
+from alignment.session import PROTOCOL_VERSION, PsiResponder, check_minimum
+from partner.budget import PsiBudgets
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.privacy import EmbeddingDP
@@ -54,7 +55,7 @@ class PartnerCore:
             hashed_points, table.normalized_ids, self.pool, settings.cache_dir
         )
         self._sessions: dict[str, PsiResponder] = {}
-        self._psi_owner: dict[str, str] = {}
+        self.budgets = PsiBudgets(settings.psi_budget)
         self._lock = threading.Lock()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self._training: dict[str, PartySession] = {}
@@ -64,50 +65,60 @@ class PartnerCore:
         self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.clip is not None else None
 
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
+        if request.version != PROTOCOL_VERSION:
+            raise BadMessage(f"PSI protocol version {request.version}; this partner speaks {PROTOCOL_VERSION}")
+        self.budgets.charge(owner, request.count)  # before anything is blinded
         with self._lock:
             self._expire()
             if len(self._sessions) >= self.settings.max_psi_sessions:
                 # A bank that abandoned its sessions (it crashed, or gave up) must still be able to align:
                 # its own least recently used session makes room. Other banks' sessions are never touched.
-                mine = [sid for sid in self._sessions if self._psi_owner.get(sid) == owner]
+                mine = [sid for sid, r in self._sessions.items() if r.owner == owner]
                 if not mine:
                     raise OutOfOrder(f"{len(self._sessions)} PSI sessions are open; finish or abort one first")
                 oldest = min(mine, key=lambda sid: self._sessions[sid].last_used)
                 self._drop_psi(oldest)
                 logger.info("PSI session %s closed: its owner opened another with every slot taken", oldest)
         points = self._points.result()
-        responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items)
+        responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items, owner)
         with self._lock:
             self._sessions[responder.session_id] = responder
-            self._psi_owner[responder.session_id] = owner
         logger.info("PSI session %s opened", responder.session_id)
         return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items)
 
-    def session(self, session_id: str) -> PsiResponder:
+    def session(self, session_id: str, owner: str = "") -> PsiResponder:
+        """The PSI session ``session_id`` of the bank ``owner``: another bank's is as unknown as a missing one."""
         with self._lock:
             responder = self._sessions.get(session_id)
-        if responder is None:
+        if responder is None or responder.owner != owner:
             raise UnknownSession(f"no PSI session {session_id} (it may have expired)")
         responder.touch()
         return responder
 
-    def abort(self, session_id: str) -> None:
+    def abort(self, session_id: str, owner: str = "") -> None:
+        self.session(session_id, owner)
         with self._lock:
             if self._drop_psi(session_id):
                 logger.info("PSI session %s aborted", session_id)
 
     def _drop_psi(self, session_id: str) -> bool:
-        self._psi_owner.pop(session_id, None)
-        return self._sessions.pop(session_id, None) is not None
+        responder = self._sessions.pop(session_id, None)
+        if responder is not None:
+            responder.close()  # blinding not yet started never starts
+        return responder is not None
 
     def commit(
-        self, session_id: str, alignment_id: str, positions: np.ndarray, digest: bytes, purpose: str = "training"
+        self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training", owner: str = ""
     ) -> AlignmentInfo:
-        """Keep the aligned rows the bank chose, after checking both sides agree."""
-        responder = self.session(session_id)
+        """Keep the rows the bank chose (positions in the blinded set this side sent), in its order.
+
+        ``min_intersection`` is a commit policy: fewer rows are refused. It is not a privacy control:
+        the bank has its PSI result before it commits (the budgets bound what it can learn).
+        """
+        responder = self.session(session_id, owner)
         if not alignment_id or len(alignment_id) > 64:
             raise BadMessage("an alignment id is 1 to 64 characters")
-        rows = responder.finish(positions, digest, WAIT_SECONDS)
+        rows = responder.finish(positions)
         check_minimum(len(rows), self.settings.min_intersection, "the bank")
         if purpose == "scoring":  # customers to score: kept apart from the training alignment
             with self._lock:
@@ -261,7 +272,7 @@ class PartnerCore:
             out = [SessionSummary(kind="training", session=sid, owner=s.owner, state="live",
                                   idle_seconds=round(now - s.last_used, 3), step=s.trainer.next_step)
                    for sid, s in self._training.items()]
-            out += [SessionSummary(kind="psi", session=sid, owner=self._psi_owner.get(sid, ""), state="live",
+            out += [SessionSummary(kind="psi", session=sid, owner=r.owner, state="live",
                                    idle_seconds=round(now - r.last_used, 3))
                     for sid, r in self._sessions.items()]
         return SessionList(sessions=[s for s in out if owner is None or s.owner == owner])
@@ -269,10 +280,9 @@ class PartnerCore:
     def end_session(self, session_id: str) -> None:
         """This partner's operator ends a session for good: a PSI session, or a training session."""
         with self._lock:
-            psi = session_id in self._sessions
-        if psi:
-            self.abort(session_id)
-            return
+            if self._drop_psi(session_id):
+                logger.info("PSI session %s ended by the operator", session_id)
+                return
         if session_id not in self._training and not checkpoint_steps(self.checkpoint_dir(session_id)):
             raise UnknownSession(f"no session {session_id}")
         self.end_training(session_id, finished=True)

@@ -18,7 +18,6 @@ from parties.errors import BadMessage, OutOfOrder
 from parties.hotpath import HotRequest, HotResponse, HotRoute
 from parties.protocol import (
     ALIGNMENT_HEADER,
-    DIGEST_HEADER,
     OCTET_STREAM,
     PURPOSE_HEADER,
     AlignmentInfo,
@@ -64,55 +63,49 @@ async def open_session(
 
 
 @psi.put("/{session_id}/blinded/{index}", status_code=204)
-async def put_blinded(session_id: str, index: int, request: Request, c: PartnerCore = Depends(core)) -> Response:
+async def put_blinded(session_id: str, index: int, request: Request, who: PeerIdentity = Depends(require_role("bank")),
+                      c: PartnerCore = Depends(core)) -> Response:
+    responder = c.session(session_id, who.name)
     data = await read_body(request, c.settings.max_body_bytes)
-    c.session(session_id).receive_blinded(index, data)
-    return Response(status_code=204)
-
-
-@psi.get("/{session_id}/blinded/{index}")
-async def get_blinded(session_id: str, index: int, c: PartnerCore = Depends(core)) -> Response:
-    responder = c.session(session_id)
-    return _octets(await run_in_threadpool(responder.blinded_chunk, index, WAIT_SECONDS))
-
-
-@psi.put("/{session_id}/reblinded/{index}", status_code=204)
-async def put_reblinded(session_id: str, index: int, request: Request, c: PartnerCore = Depends(core)) -> Response:
-    data = await read_body(request, c.settings.max_body_bytes)
-    responder = c.session(session_id)
-    responder.receive_reblinded(index, data)
+    responder.receive_blinded(index, data)
     return Response(status_code=204)
 
 
 @psi.get("/{session_id}/reblinded/{index}")
-async def get_reblinded(session_id: str, index: int, c: PartnerCore = Depends(core)) -> Response:
-    responder = c.session(session_id)
+async def get_reblinded(session_id: str, index: int, who: PeerIdentity = Depends(require_role("bank")),
+                        c: PartnerCore = Depends(core)) -> Response:
+    responder = c.session(session_id, who.name)
     return _octets(await run_in_threadpool(responder.reblinded_chunk, index, WAIT_SECONDS))
+
+
+@psi.get("/{session_id}/blinded/{index}")
+async def get_blinded(session_id: str, index: int, who: PeerIdentity = Depends(require_role("bank")),
+                      c: PartnerCore = Depends(core)) -> Response:
+    responder = c.session(session_id, who.name)
+    return _octets(await run_in_threadpool(responder.blinded_chunk, index, WAIT_SECONDS))
 
 
 @psi.post("/{session_id}/commit", response_model=AlignmentInfo)
 async def commit(
     session_id: str,
     request: Request,
-    digest: str = Header(alias=DIGEST_HEADER),
     alignment_id: str = Header(alias=ALIGNMENT_HEADER),
     purpose: str = Header("training", alias=PURPOSE_HEADER),
+    who: PeerIdentity = Depends(require_role("bank")),
     c: PartnerCore = Depends(core),
 ) -> AlignmentInfo:
+    c.session(session_id, who.name)
     data = await read_body(request, c.settings.max_body_bytes)
     if len(data) % 4:
         raise BadMessage("positions are little-endian uint32 values")
-    try:
-        digest_bytes = bytes.fromhex(digest)
-    except ValueError as exc:
-        raise BadMessage(f"{DIGEST_HEADER} is not hex") from exc
     positions = np.frombuffer(data, dtype="<u4").astype(np.int64)
-    return await run_in_threadpool(c.commit, session_id, alignment_id, positions, digest_bytes, purpose)
+    return await run_in_threadpool(c.commit, session_id, alignment_id, positions, purpose, who.name)
 
 
 @psi.delete("/{session_id}", status_code=204)
-async def abort(session_id: str, c: PartnerCore = Depends(core)) -> Response:
-    c.abort(session_id)
+async def abort(session_id: str, who: PeerIdentity = Depends(require_role("bank")),
+                c: PartnerCore = Depends(core)) -> Response:
+    c.abort(session_id, who.name)
     return Response(status_code=204)
 
 
