@@ -30,6 +30,7 @@ from parties.errors import (
     Behind,
     IntersectionTooSmall,
     NotReady,
+    OverBudget,
     PeerError,
     PeerUnavailable,
     PeerUntrusted,
@@ -80,7 +81,7 @@ def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None]
     )
 
 
-_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch,
+_PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch, "OverBudget": OverBudget,
               "UnknownSession": UnknownSession, "StorageError": StorageError}
 
 

@@ -1,0 +1,197 @@
+"""PSI against a peer that does not follow the protocol: each attack, played against the real code and services."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi import FastAPI, Response
+
+from alignment import curve, session
+from alignment.local import LocalPsiPeer
+from alignment.parallel import WorkerPool
+from alignment.session import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
+from bank.alignment import align_with_partners
+from bank.proxy import HttpPartner
+from data.prepare import prepare_bank_marketing
+from parties.client import make_client
+from parties.dataset import load_party_table
+from parties.errors import OverBudget, PeerError, UnknownSession
+from parties.server import ServerThread
+from parties.settings import PsiBudget
+from parties.tls import PeerIdentity, TLSFiles
+
+
+@pytest.fixture()
+def partition(bank_full: Path, tmp_path: Path) -> dict[str, Path]:
+    return prepare_bank_marketing(tmp_path / "data", n_partners=2, rows=2000, cache=bank_full.parent, download=False)
+
+
+@pytest.fixture()
+def pool() -> Iterator[WorkerPool]:
+    with WorkerPool(workers=1) as p:
+        yield p
+
+
+@pytest.fixture()
+def threads() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(4) as t:
+        yield t
+
+
+def _points(ids: list[str]) -> bytes:
+    return curve.hash_to_curve([curve.normalize_id(i) for i in ids])
+
+
+class EchoingPartner(LocalPsiPeer):
+    """A partner that answers with the bank's own blinded values, to make up an intersection."""
+
+    def __init__(self, *args: object, honest_reblinding: bool) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.honest_reblinding = honest_reblinding
+
+    def get_reblinded(self, session_id: str, index: int) -> bytes:
+        if self.honest_reblinding:
+            return super().get_reblinded(session_id, index)
+        return b"".join(self.sent[index][k : k + TRUNCATED_BYTES] for k in range(0, len(self.sent[index]), 32))
+
+    def get_blinded(self, session_id: str, index: int) -> bytes:
+        return self.sent[index]  # the bank's own H(X)^a, echoed as if it were the partner's set
+
+
+@pytest.mark.parametrize("honest_reblinding", [True, False], ids=["true-reblinding", "echoed-reblinding"])
+def test_a_partner_echoing_the_banks_values_makes_up_no_intersection(honest_reblinding, pool, threads) -> None:
+    bank_ids, partner_ids = [f"B{i}" for i in range(500)], [f"P{i}" for i in range(500)]  # disjoint, same size
+    peer = EchoingPartner(_points(partner_ids), pool, threads, honest_reblinding=honest_reblinding)
+    _, result = run_initiator(peer, _points(bank_ids), pool, chunk_items=1000)
+    assert len(result) == 0
+
+
+def test_each_side_sends_its_set_in_a_fresh_random_order(pool, threads, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, orders = [], []
+    generate, fresh = curve.generate_key, session.fresh_order
+    monkeypatch.setattr(curve, "generate_key", lambda: keys.append(generate()) or keys[-1])
+    monkeypatch.setattr(session, "fresh_order", lambda n: orders.append(fresh(n)) or orders[-1])
+    bank_points, partner_points = _points([f"C{i}" for i in range(300)]), _points([f"C{i}" for i in range(100, 400)])
+    peer = LocalPsiPeer(partner_points, pool, threads)
+    session_id, result = run_initiator(peer, bank_points, pool, chunk_items=1000)
+    (bank_key, partner_key), (bank_order, partner_order) = keys, orders
+    # What the partner received is the bank's set blinded, in the bank's fresh order, not in its file order.
+    assert peer.sent[0] == curve.blind(bank_key, session._permuted(bank_points, bank_order))
+    assert peer.sent[0] != curve.blind(bank_key, bank_points)
+    assert np.mean(bank_order == np.arange(300)) < 0.05
+    # And the same for what the bank received of the partner's set.
+    assert peer.received[-1] == curve.blind(partner_key, session._permuted(partner_points, partner_order))
+    assert np.mean(partner_order == np.arange(300)) < 0.05
+    assert len(result) == 200
+
+
+def test_the_partner_learns_only_the_committed_rows(pki: Path, partition, start_partner) -> None:
+    """Nothing the bank sends lets a partner intersect: only the bank's blinded set and the commit cross."""
+    partner = start_partner(partition["partner1"])
+    table = load_party_table(partition["bank"], "customer_id", "y")
+    sent: list[bytes] = []
+    client = make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank"))
+    client.event_hooks = {"request": [lambda request: sent.append(request.content)]}
+    with client, WorkerPool(1) as pool:
+        alignment, pairwise = align_with_partners(table, {"partner": HttpPartner("partner", partner.url, client)}, pool)
+    bodies = [b for b in sent if not b.startswith(b"{")]  # the JSON open request aside
+    # 32 bytes per bank ID (its blinded set) and 4 per committed row: no value of the partner's set comes back.
+    assert sum(map(len, bodies)) == 32 * len(table) + 4 * len(alignment)
+    core = partner.app.state.core
+    assert len(core.alignment.rows) == len(alignment) == pairwise["partner"]
+
+
+# --- sizes a partner announces ----------------------------------------------------------------------
+
+
+def _lying_partner(count: int, chunk_items: int | None, body_bytes: int) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/psi/sessions")
+    async def open_session(body: dict) -> dict:
+        return {"session": "s1", "count": count, "chunk_items": chunk_items or body["chunk_items"]}
+
+    @app.put("/psi/sessions/s1/blinded/{index}", status_code=204)
+    async def put(index: int) -> Response:
+        return Response(status_code=204)
+
+    @app.get("/psi/sessions/s1/reblinded/{index}")
+    async def reblinded(index: int) -> Response:
+        return Response(content=b"\x01" * body_bytes, media_type="application/octet-stream")
+
+    @app.delete("/psi/sessions/s1", status_code=204)
+    async def abort() -> Response:
+        return Response(status_code=204)
+
+    return app
+
+
+@pytest.mark.parametrize(("count", "chunk_items", "body_bytes", "refusal"), [
+    (MAX_IDS + 1, None, 12, "announced 67108865 IDs"),
+    (10, 7, 12, "chunks of 7 IDs; 65536 were asked"),
+    (10, None, 50 << 20, "announced 52428800 bytes for the re-blinded IDs; at most 786432"),
+], ids=["too-many-ids", "other-chunk-size", "oversized-body"])
+def test_the_bank_reads_no_more_than_was_agreed(pki: Path, count, chunk_items, body_bytes, refusal, pool) -> None:
+    server = ServerThread(_lying_partner(count, chunk_items, body_bytes), TLSFiles.from_dir(pki, "partner")).start()
+    try:
+        with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client:
+            partner = HttpPartner("partner", server.url, client)
+            with pytest.raises(PeerError, match=refusal):
+                run_initiator(partner, _points(["a", "b", "c"]), pool)
+            assert partner.bytes_received < 1 << 20
+    finally:
+        server.stop()
+
+
+# --- what a bank may ask ----------------------------------------------------------------------------
+
+
+def test_budgets_stop_a_probing_bank_before_any_blinding(pki: Path, partition, start_partner) -> None:
+    budget = PsiBudget(max_ids_per_session=100, sessions_per_hour=2)
+    partner = start_partner(partition["partner1"], psi_budget=budget)
+    with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client:
+        peer = HttpPartner("partner", partner.url, client)
+        with pytest.raises(OverBudget, match="at most 100 IDs; 101 were announced"):
+            peer.open(101, 64)
+        first, second = peer.open(2, 64), peer.open(2, 64)
+        for info in (first, second):
+            peer.abort(info.session_id)  # aborted sessions count too: reopening at once is no way around it
+        with pytest.raises(OverBudget, match="opened 2 PSI sessions in the last hour; the limit is 2"):
+            peer.open(2, 64)
+    # Another bank has its own budget.
+    with make_client(TLSFiles.from_dir(pki, "bank2"), caller=PeerIdentity("bank2", "bank")) as client:
+        assert HttpPartner("partner", partner.url, client).open(2, 64).peer_count > 0
+
+
+def test_a_session_is_only_its_banks(pki: Path, partition, start_partner, pool) -> None:
+    partner = start_partner(partition["partner1"])
+    with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as mine, \
+            make_client(TLSFiles.from_dir(pki, "bank2"), caller=PeerIdentity("bank2", "bank")) as theirs:
+        owner, other = HttpPartner("partner", partner.url, mine), HttpPartner("partner", partner.url, theirs)
+        info = owner.open(3, 64)
+        owner.put_blinded(info.session_id, 0, curve.blind(curve.generate_key(), _points(["a", "b", "c"])))
+        for attempt in (lambda: other.get_blinded(info.session_id, 0), lambda: other.abort(info.session_id),
+                        lambda: other.commit(info.session_id, "stolen", np.arange(1))):
+            with pytest.raises(UnknownSession):
+                attempt()
+        assert len(owner.get_reblinded(info.session_id, 0)) == 3 * TRUNCATED_BYTES  # untouched, still the owner's
+
+
+def test_abort_stops_blinding_that_has_not_run_yet(threads) -> None:
+    points = _points([f"id-{i}" for i in range(60_000)])
+    with WorkerPool(workers=1) as pool:
+        started = time.perf_counter()
+        responder = PsiResponder(points, 0, pool, threads)
+        time.sleep(0.2)
+        responder.close()
+        with pytest.raises((CancelledError, UnknownSession)):
+            responder.blinded_chunk(0, timeout=30)
+        elapsed = time.perf_counter() - started
+    full = 60_000 / 15_000  # seconds to blind them all at a generous 15,000 X25519 per second
+    assert elapsed < full / 2, elapsed
+
