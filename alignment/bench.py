@@ -3,7 +3,11 @@
 Prints wall seconds (cold: both parties hash their IDs; warm: hashed sets
 cached, as for a party whose data file has not changed), bytes on the wire per
 input ID (HTTP bodies and headers, both directions, divided by n_bank +
-n_partner), and the raw rates of the curve operations on every core.
+n_partner), the raw rates of the curve operations on every core, and each wall
+time against the crypto floor measured in the same run: the X25519 operations
+(each side blinds its set and re-blinds the other's: 2 (n_bank + n_partner))
+and, cold, the hash-to-curve calls (n_bank + n_partner), divided by the rates
+of all workers, as both parties share this machine's cores.
 """
 
 from __future__ import annotations
@@ -44,6 +48,21 @@ class BenchResult:
     bytes_per_id: float
     x25519_per_second: float
     hash_to_curve_per_second: float
+    expected_intersection: int = 0
+    cold_floor_seconds: float = 0.0
+    warm_floor_seconds: float = 0.0
+
+    @property
+    def correct(self) -> bool:
+        return self.intersection == self.expected_intersection
+
+    @property
+    def cold_ratio(self) -> float:
+        return self.cold_seconds / self.cold_floor_seconds
+
+    @property
+    def warm_ratio(self) -> float:
+        return self.warm_seconds / self.warm_floor_seconds
 
 
 def _table(ids: list[str], path: Path) -> PartyTable:
@@ -117,10 +136,12 @@ def run_bench(size: int, overlap: float = 0.5, seed: int = 0, workers: int | Non
         warm, _, _ = _one_run(bank, partner, files, root / "state", workers)
     with WorkerPool(workers) as pool:
         x_rate, h_rate = _rates(pool, min(size, 1 << 16))
+    ids = 2 * size  # n_bank + n_partner
     return BenchResult(
-        size=size, overlap=overlap, workers=workers, intersection=found,
-        cold_seconds=round(cold, 2), warm_seconds=round(warm, 2), bytes_per_id=round(wire / (2 * size), 2),
+        size=size, overlap=overlap, workers=workers, intersection=found, expected_intersection=len(common),
+        cold_seconds=round(cold, 2), warm_seconds=round(warm, 2), bytes_per_id=round(wire / ids, 2),
         x25519_per_second=round(x_rate), hash_to_curve_per_second=round(h_rate),
+        cold_floor_seconds=round(2 * ids / x_rate + ids / h_rate, 2), warm_floor_seconds=round(2 * ids / x_rate, 2),
     )
 
 
@@ -128,9 +149,12 @@ def format_result(r: BenchResult) -> str:
     return "\n".join([
         f"PSI benchmark: {r.size:,} x {r.size:,} IDs, {r.overlap:.0%} overlap, {r.workers} worker processes per party,",
         "both parties on this machine, mutual TLS over loopback",
-        f"  intersection found           {r.intersection:,}",
-        f"  wall seconds (cold: hashing) {r.cold_seconds:8.2f}",
-        f"  wall seconds (warm cache)    {r.warm_seconds:8.2f}",
+        f"  intersection found           {r.intersection:,}   ({'correct' if r.correct else 'WRONG'}: "
+        f"{r.expected_intersection:,} common IDs)",
+        f"  wall seconds (cold: hashing) {r.cold_seconds:8.2f}   crypto floor {r.cold_floor_seconds:.2f} s, "
+        f"ratio {r.cold_ratio:.2f}",
+        f"  wall seconds (warm cache)    {r.warm_seconds:8.2f}   crypto floor {r.warm_floor_seconds:.2f} s, "
+        f"ratio {r.warm_ratio:.2f}",
         f"  bytes on the wire per ID     {r.bytes_per_id:8.2f}   (bodies + HTTP headers, both ways)",
         f"  X25519 blindings per second  {r.x25519_per_second:8,}   (all workers)",
         f"  hash-to-curve per second     {r.hash_to_curve_per_second:8,}   (all workers)",
@@ -138,4 +162,5 @@ def format_result(r: BenchResult) -> str:
 
 
 def to_json(r: BenchResult) -> str:
-    return json.dumps(asdict(r), indent=2)
+    return json.dumps(asdict(r) | {"correct": r.correct, "cold_ratio": round(r.cold_ratio, 3),
+                                   "warm_ratio": round(r.warm_ratio, 3)}, indent=2)

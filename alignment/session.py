@@ -6,8 +6,8 @@ per-session random permutations)::
 
     A -> B   open(n_A)                           B answers n_B and starts blinding its set
     A -> B   π_A(H(X))^a     (32 B per ID)        B starts computing H(X)^ab in A's order
-    B -> A   π_A(H(X))^ab    (12 B per ID)        A maps each value back to its own row
-    B -> A   π_B(H(Y))^b     (32 B per ID)        A computes H(Y)^ba and intersects
+    B -> A   π_B(H(Y))^b     (32 B per ID)        A computes H(Y)^ba while B computes H(X)^ab
+    B -> A   π_A(H(X))^ab    (12 B per ID)        A maps each value back to its own row, intersects
     A -> B   commit(positions into π_B's order)   B keeps those rows, in that order
 
 Only the bank learns the intersection. Each side sends its blinded set in a
@@ -319,17 +319,21 @@ def run_initiator(
         own_blinded = pool.blind(key, shuffled)
         for i in range(n_chunks(own_count, chunk_items)):
             peer.put_blinded(info.session_id, i, chunk_of(own_blinded, i, chunk_items, curve.POINT_BYTES))
-        say("receiving own IDs blinded by the peer")
-        own_double = _receive("re-blinded set", own_count, TRUNCATED_BYTES, chunk_items,
-                              lambda i: peer.get_reblinded(info.session_id, i))
+        # The peer re-blinds our set while we re-blind its own: fetch its set first, then ours back.
         say("receiving the peer's blinded IDs")
         peer_blinded = _receive("blinded set", info.peer_count, curve.POINT_BYTES, chunk_items,
                                 lambda i: peer.get_blinded(info.session_id, i))
         say("re-blinding the peer's IDs")
         try:
             peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES)
+        except ValueError as exc:
+            raise PeerError(f"the peer's blinded set is unusable: {exc}") from exc
+        say("receiving own IDs blinded by the peer")
+        own_double = _receive("re-blinded set", own_count, TRUNCATED_BYTES, chunk_items,
+                              lambda i: peer.get_reblinded(info.session_id, i))
+        try:
             own_idx, peer_idx = intersect(own_double, peer_double)
-        except (ValueError, BadMessage) as exc:
+        except BadMessage as exc:
             raise PeerError(f"the peer's values are unusable: {exc}") from exc
         return info.session_id, PsiResult(rows=order[own_idx].astype(np.int64), peer_positions=peer_idx)
     except BaseException:

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "unaligned customers help the joint model (simulation only)")
     ss.add_argument("run", type=Path, nargs="?", default=None,
                     help="run folder (default: the latest under runs/, here or above)")
-    ss.add_argument("--seeds", type=int, default=3, help="batch seeds for the joint model (default %(default)s)")
+    ss.add_argument("--seeds", type=int, default=3, help="how many batch seeds (0 to N-1) to train the joint model with (default %(default)s)")
     ss.add_argument("--partition", type=Path, default=None, help="every party's files (default: RUN/data)")
     _add_log_level(ss)
 

@@ -42,12 +42,16 @@ def print_scoring(result: dict[str, Any], out: Path) -> None:
     """A scoring job's result: how many customers were scored, by which model, and what took a fallback."""
     print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {out}")
     for partner, reason in result.get("refused", {}).items():
-        print(f"  {partner} refused to align these customers: {reason}")
+        print(f"  {reason}; {partner} counts as holding none of them")
     for model, count in result.get("models", {}).items():
         if model != "joint":
-            print(f"  {count} scored by the {model} model, without the partners that do not hold them")
-    for partner, count in result.get("scored_without", {}).items():
-        print(f"  of which {count} scored without {partner}")
+            print(f"  {count} scored by the {model} model: customers some partners do not hold (or refused)")
+    if len(result.get("scored_without", {})) > 1:
+        for partner, count in result["scored_without"].items():
+            print(f"    of which {count} without {partner}")
+    if result["unscorable"]:
+        print(f"  {result['unscorable']} not scored: some partners do not hold them (their status says which); "
+              "--allow-missing scores them with the model of the parties that do")
     for party, columns in result.get("fallbacks", {}).items():
         for column, counts in columns.items():
             took = ", ".join(f"{n} {policy}" for policy, n in counts.items())

@@ -85,7 +85,7 @@ def test_each_side_sends_its_set_in_a_fresh_random_order(pool, threads, monkeypa
     assert peer.sent[0] != curve.blind(bank_key, bank_points)
     assert np.mean(bank_order == np.arange(300)) < 0.05
     # And the same for what the bank received of the partner's set.
-    assert peer.received[-1] == curve.blind(partner_key, session._permuted(partner_points, partner_order))
+    assert peer.received[0] == curve.blind(partner_key, session._permuted(partner_points, partner_order))
     assert np.mean(partner_order == np.arange(300)) < 0.05
     assert len(result) == 200
 
@@ -120,8 +120,8 @@ def _lying_partner(count: int, chunk_items: int | None, body_bytes: int) -> Fast
     async def put(index: int) -> Response:
         return Response(status_code=204)
 
-    @app.get("/psi/sessions/s1/reblinded/{index}")
-    async def reblinded(index: int) -> Response:
+    @app.get("/psi/sessions/s1/blinded/{index}")
+    async def blinded(index: int) -> Response:
         return Response(content=b"\x01" * body_bytes, media_type="application/octet-stream")
 
     @app.delete("/psi/sessions/s1", status_code=204)
@@ -132,9 +132,9 @@ def _lying_partner(count: int, chunk_items: int | None, body_bytes: int) -> Fast
 
 
 @pytest.mark.parametrize(("count", "chunk_items", "body_bytes", "refusal"), [
-    (MAX_IDS + 1, None, 12, "announced 67108865 IDs"),
-    (10, 7, 12, "chunks of 7 IDs; 65536 were asked"),
-    (10, None, 50 << 20, "announced 52428800 bytes for the re-blinded IDs; at most 786432"),
+    (MAX_IDS + 1, None, 320, "announced 67108865 IDs"),
+    (10, 7, 320, "chunks of 7 IDs; 65536 were asked"),
+    (10, None, 50 << 20, "announced 52428800 bytes for its blinded IDs; at most 2097152"),
 ], ids=["too-many-ids", "other-chunk-size", "oversized-body"])
 def test_the_bank_reads_no_more_than_was_agreed(pki: Path, count, chunk_items, body_bytes, refusal, pool) -> None:
     server = ServerThread(_lying_partner(count, chunk_items, body_bytes), TLSFiles.from_dir(pki, "partner")).start()
