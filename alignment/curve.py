@@ -51,6 +51,7 @@ from nacl.bindings import crypto_core_ed25519_add
 
 __all__ = [
     "DEFAULT_DST",
+    "DST_PREFIX",
     "POINT_BYTES",
     "P",
     "blind",
