@@ -3,14 +3,27 @@
 ``H(id)`` does not depend on any session key, so a party whose ID list has not
 changed can skip hashing on its next session. The cache lives on the party's
 own disk, next to the raw IDs it is derived from; nothing in it is sent.
-Entries are keyed by a digest of the normalised IDs (in order) and the
-protocol's domain separator, and are written atomically.
+
+Names and tags are keyed
+    A file's name is an HMAC-SHA256 of the normalised IDs (in order) under a
+    secret key, so someone who can list the folder but not read the key cannot
+    test whether an ID set, or an ID, is there by recomputing a name. The key
+    (``cache.key``: 32 random bytes, mode 0600, created on first use) never
+    leaves the party. The DST goes into the key derivation: one partnership's
+    entries are never read for another's. Each file starts with an HMAC tag of
+    its name and content; a file whose tag fails is ignored and rewritten.
+    Files are written atomically, mode 0600.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
+import os
+import secrets
+import stat
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,13 +31,54 @@ from alignment import curve
 from alignment.parallel import WorkerPool
 from parties.files import atomic_write_bytes
 
-__all__ = ["hashed_points"]
+__all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
 
 logger = logging.getLogger(__name__)
 
+KEY_FILE = "cache.key"
+KEY_BYTES = 32
+TAG_BYTES = 32
+_LABEL = b"cutlayer-psi-cache-v2"
 
-def _key(ids: Sequence[bytes]) -> str:
-    h = hashlib.sha256(curve.DOMAIN_SEPARATOR)
+
+def cache_key(cache_dir: Path) -> bytes:
+    """The party's secret cache key from ``cache_dir``, created (0600) on first use."""
+    path = Path(cache_dir) / KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        # Write the key in full under a temporary name (mkstemp: 0600), then link it in: a
+        # second process starting at the same time keeps whichever key landed first.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{KEY_FILE}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+                logger.info("created a new PSI cache key")
+            except FileExistsError:
+                pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        logger.warning("the PSI cache key was readable by others; making it owner-only")
+        path.chmod(0o600)
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        # The cache is only a shortcut: a new key makes every entry a miss, nothing worse.
+        logger.warning("replacing a PSI cache key of the wrong size")
+        key = secrets.token_bytes(KEY_BYTES)
+        atomic_write_bytes(path, key)
+    return key
+
+
+def _subkey(key: bytes, dst: bytes) -> bytes:
+    return hmac.digest(key, _LABEL + len(dst).to_bytes(2, "big") + dst, "sha256")
+
+
+def _name(subkey: bytes, ids: Sequence[bytes]) -> str:
+    h = hmac.new(subkey, b"name", hashlib.sha256)
     h.update(len(ids).to_bytes(8, "little"))
     for i in ids:
         h.update(len(i).to_bytes(4, "little"))
@@ -32,20 +86,46 @@ def _key(ids: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
-def hashed_points(ids: Sequence[bytes], pool: WorkerPool, cache_dir: Path | None) -> bytes:
-    """``H(id)`` for every normalised ID, from ``cache_dir`` when it holds them."""
+def _tag(subkey: bytes, name: str, data: bytes) -> bytes:
+    h = hmac.new(subkey, b"tag", hashlib.sha256)
+    h.update(name.encode("ascii"))
+    h.update(data)
+    return h.digest()
+
+
+def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) -> Path:
+    """Where the hashed set of ``ids`` under ``dst`` lives: the name depends on the key and the DST."""
+    return Path(cache_dir) / f"{_name(_subkey(key, dst), ids)}.u25519"
+
+
+def hashed_points(
+    ids: Sequence[bytes],
+    pool: WorkerPool,
+    cache_dir: Path | None,
+    dst: bytes = curve.DEFAULT_DST,
+    key: bytes | None = None,
+) -> bytes:
+    """``H(id)`` for every normalised ID under ``dst``, from ``cache_dir`` when it holds them.
+
+    ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``).
+    """
     if cache_dir is None:
-        return pool.hash_to_curve(ids)
-    path = Path(cache_dir) / f"{_key(ids)}.u25519"
-    expected = len(ids) * curve.POINT_BYTES
+        return pool.hash_to_curve(ids, dst)
+    subkey = _subkey(key if key is not None else cache_key(cache_dir), dst)
+    name = _name(subkey, ids)
+    path = Path(cache_dir) / f"{name}.u25519"
+    expected = TAG_BYTES + len(ids) * curve.POINT_BYTES
     try:
-        data = path.read_bytes()
-        if len(data) == expected:
+        blob = path.read_bytes()
+        if len(blob) != expected:
+            logger.warning("ignoring a cached hashed set of the wrong size")
+        elif not hmac.compare_digest(blob[:TAG_BYTES], _tag(subkey, name, blob[TAG_BYTES:])):
+            logger.warning("ignoring a cached hashed set whose integrity tag does not match")
+        else:
             logger.info("hashed ID set read from the cache")
-            return data
-        logger.warning("ignoring a cached hashed set of the wrong size")
+            return blob[TAG_BYTES:]
     except FileNotFoundError:
         pass
-    data = pool.hash_to_curve(ids)
-    atomic_write_bytes(path, data)
+    data = pool.hash_to_curve(ids, dst)
+    atomic_write_bytes(path, _tag(subkey, name, data) + data)
     return data

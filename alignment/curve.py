@@ -5,14 +5,29 @@ blinded with X25519 scalar multiplication, which commutes:
 ``blind(a, blind(b, H(x))) == blind(b, blind(a, H(x)))``.
 
 Hashing onto the curve
-    ``u = H(x)`` must be a point of the prime-order group. A raw digest used
-    as a u-coordinate lands on the quadratic twist half of the time, and the
-    curve/twist bit survives blinding, so every blinded value would leak one
-    bit of its ID's hash. We instead map ``SHA-512(DST || id)[:32]`` with
-    libsodium's Elligator 2 map (``crypto_core_ed25519_from_uniform``, which
-    also clears the cofactor) to an Edwards point, and convert it to the
-    Montgomery u-coordinate ``u = (1 + y) / (1 - y)`` with one batched field
-    inversion for the whole batch.
+    ``H`` is RFC 9380 ``hash_to_curve`` with the suite
+    ``edwards25519_XMD:SHA-512_ELL2_RO_``: ``expand_message_xmd`` (SHA-512)
+    gives two field elements, each is mapped with Elligator 2, the two points
+    are added and the cofactor is cleared. The Edwards point is then written as
+    its Montgomery u-coordinate ``u = (1 + y) / (1 - y)``. A raw digest used as
+    a u-coordinate would land on the quadratic twist half of the time, and the
+    curve/twist bit survives blinding, leaking one bit of every ID's hash.
+
+    libsodium 1.0.18 (what PyNaCl bundles) has no ``from_string_ro``, and its
+    ``from_uniform`` picks the sign of ``x`` from an input bit rather than as
+    the RFC does, so the map runs here with one batched inversion per step.
+    The one square root per field element comes from libsodium through a public
+    call: ``crypto_core_ed25519_add(P, B)`` decodes ``P`` from its ``y`` (or
+    fails when ``y`` has no point, which is the RFC's ``is_square``), and ``x``
+    of ``P`` follows from ``y(P + B)`` by the addition law.
+
+Domain separation
+    The DST is ``psi_dst(context)`` for a partnership, ``DEFAULT_DST`` when no
+    context is given; a DST over 255 bytes is hashed as RFC 9380 5.3.3 says.
+
+Received points
+    ``check_points`` refuses a non-canonical encoding, a low-order point, or a
+    point on the twist; ``blind`` calls it unless told the points are our own.
 
 Identifier normalisation
     ``str(id).strip()`` then Unicode NFC, encoded as UTF-8. Case is kept:
@@ -26,32 +41,78 @@ from __future__ import annotations
 
 import hashlib
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import (
     X25519PrivateKey,
     X25519PublicKey,
 )
-from nacl.bindings import crypto_core_ed25519_from_uniform
+from nacl.bindings import crypto_core_ed25519_add
 
 __all__ = [
-    "DOMAIN_SEPARATOR",
+    "DEFAULT_DST",
+    "DST_PREFIX",
     "POINT_BYTES",
     "P",
+    "blind",
+    "check_points",
     "edwards_to_montgomery",
+    "expand_message_xmd",
     "generate_key",
     "hash_to_curve",
+    "hash_to_edwards",
     "is_on_curve",
     "normalize_id",
-    "blind",
+    "psi_dst",
 ]
 
-#: Versioned domain separator: a hash of the same ID in another protocol never collides with ours.
-DOMAIN_SEPARATOR = b"cutlayer/psi/v1/curve25519-elligator2"
 POINT_BYTES = 32
 P = 2**255 - 19
 _A = 486662
+_D = -121665 * pow(121666, -1, P) % P
 _Y_MASK = (1 << 255) - 1
+_SQRT_M1 = pow(2, (P - 1) // 4, P)
+
+#: Versioned prefix of every DST this project uses; ``psi_dst`` appends a partnership context.
+DST_PREFIX = b"cutlayer-psi-v2"
+#: The DST when no partnership context is given. No ``psi_dst(...)`` equals it: those have a ``:``.
+DEFAULT_DST = DST_PREFIX
+_MAX_DST = 255
+
+
+def _sqrt(a: int) -> int:
+    """A square root of ``a`` (a square), for constants only: one ``pow`` costs as much as three X25519s."""
+    r = pow(a, (P + 3) // 8, P)
+    if r * r % P != a % P:
+        r = r * _SQRT_M1 % P
+    if r * r % P != a % P:
+        raise ValueError("not a square")
+    return r
+
+
+def _sgn0(a: int) -> int:
+    return a & 1
+
+
+_C1 = _sqrt(-486664 % P)  # RFC 9380 Appendix D.2: sqrt(-486664) with sgn0 == 0
+_C1 = P - _C1 if _sgn0(_C1) else _C1
+_B_Y = 4 * pow(5, -1, P) % P  # the Ed25519 base point: a known partner for decoding
+_B_X = _sqrt((_B_Y * _B_Y - 1) * pow(_D * _B_Y * _B_Y + 1, -1, P))
+_B_X = P - _B_X if _sgn0(_B_X) else _B_X
+_B_ENC = _B_Y.to_bytes(32, "little")
+_B_XDY = _B_X * _D * _B_Y % P
+
+# u-coordinates of the points of order 1, 2, 4 and 8 on Curve25519 and of order 4 on its
+# twist, canonical form; the non-canonical aliases fail the canonical check first.
+_LOW_ORDER_U = frozenset(
+    {
+        0,
+        1,
+        P - 1,
+        325606250916557431795983626356110631294008115727848805560023387167927233504,
+        39382357235489614581723060781553021112529911719440698176882885853963445705823,
+    }
+)
 
 
 def normalize_id(raw: object) -> bytes:
@@ -59,9 +120,154 @@ def normalize_id(raw: object) -> bytes:
     return unicodedata.normalize("NFC", str(raw).strip()).encode("utf-8")
 
 
-def _uniform_bytes(id_bytes: bytes) -> bytes:
-    prefix = len(DOMAIN_SEPARATOR).to_bytes(1, "big") + DOMAIN_SEPARATOR
-    return hashlib.sha512(prefix + id_bytes).digest()[:32]
+def _short_dst(dst: bytes) -> bytes:
+    if not dst:
+        raise ValueError("the DST must not be empty")
+    if len(dst) > _MAX_DST:
+        return hashlib.sha512(b"H2C-OVERSIZE-DST-" + dst).digest()
+    return dst
+
+
+def psi_dst(context: str) -> bytes:
+    """The DST for one partnership: ``DST_PREFIX:context`` (NFC, UTF-8), hashed when over 255 bytes."""
+    if not context:
+        raise ValueError("a partnership context must not be empty; use DEFAULT_DST for none")
+    return _short_dst(DST_PREFIX + b":" + unicodedata.normalize("NFC", context).encode("utf-8"))
+
+
+class _Xmd:
+    """RFC 9380 5.3.1 ``expand_message_xmd`` with SHA-512 for one DST; the zero block is hashed once."""
+
+    def __init__(self, dst: bytes, length: int) -> None:
+        dst_prime = _short_dst(dst)
+        dst_prime += len(dst_prime).to_bytes(1, "big")
+        self.blocks = -(-length // 64)
+        if self.blocks > 255 or length > 65535:
+            raise ValueError("expand_message_xmd: requested length too long")
+        self.length = length
+        self._zpad = hashlib.sha512(bytes(128))
+        self._tail0 = length.to_bytes(2, "big") + b"\x00" + dst_prime
+        self._tails = [i.to_bytes(1, "big") + dst_prime for i in range(1, self.blocks + 1)]
+
+    def __call__(self, msg: bytes) -> bytes:
+        h = self._zpad.copy()
+        h.update(msg)
+        h.update(self._tail0)
+        b0 = h.digest()
+        b = hashlib.sha512(b0 + self._tails[0]).digest()
+        out = [b]
+        x0 = int.from_bytes(b0, "big")
+        for tail in self._tails[1:]:
+            b = hashlib.sha512((x0 ^ int.from_bytes(b, "big")).to_bytes(64, "big") + tail).digest()
+            out.append(b)
+        return b"".join(out)[: self.length]
+
+
+def expand_message_xmd(msg: bytes, dst: bytes, length: int) -> bytes:
+    """RFC 9380 ``expand_message_xmd`` with SHA-512."""
+    return _Xmd(dst, length)(msg)
+
+
+def _batch_inverse(values: Sequence[int]) -> list[int]:
+    """``inv0`` of every value with one ``pow`` (Montgomery's trick); ``inv0(0) == 0``."""
+    prefix = []
+    acc = 1
+    for v in values:
+        prefix.append(acc)
+        if v:
+            acc = acc * v % P
+    inv = pow(acc, P - 2, P)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        v = values[i]
+        if v:
+            out[i] = inv * prefix[i] % P
+            inv = inv * v % P
+    return out
+
+
+def _decode_x(ys: Sequence[int]) -> list[int | None]:
+    """The even ``x`` of the Edwards point with each ``y``, or None where there is none (libsodium decodes)."""
+    y3s: list[int | None] = []
+    for y in ys:
+        try:
+            s = crypto_core_ed25519_add(y.to_bytes(32, "little"), _B_ENC)
+        except RuntimeError:  # y has no point: (y^2 - 1) / (d y^2 + 1) is not a square
+            y3s.append(None)
+            continue
+        y3s.append(int.from_bytes(s, "little") & _Y_MASK)
+    # y3 (1 - d x xB y yB) = y yB + x xB, so x = (y3 - y yB) / (xB + xB d yB y y3).
+    dens = [(_B_X + _B_XDY * y * y3) % P if y3 is not None else 0 for y, y3 in zip(ys, y3s)]
+    invs = _batch_inverse(dens)
+    return [None if y3 is None else (y3 - y * _B_Y) * i % P for y, y3, i in zip(ys, y3s, invs)]
+
+
+def _map_to_curve(us: Sequence[int]) -> list[tuple[int, int]]:
+    """RFC 9380 ``map_to_curve_elligator2_edwards25519`` for every field element: affine (x, y)."""
+    # x1 = -A / (1 + 2u^2); its Edwards y = (x1 - 1) / (x1 + 1) = (A + den) / (A - den).
+    dens = [(1 + 2 * u * u) % P for u in us]
+    # A - den == 0 means x1 == -1, which is on the twist (A - 2 is not a square): not this branch.
+    inv = _batch_inverse([(_A - den) % P for den in dens])
+    ys = [(_A + den) * i % P if i else 0 for den, i in zip(dens, inv)]
+    xs = _decode_x(ys)
+    square = [x is not None and i != 0 for x, i in zip(xs, inv)]  # is_square(gx1)
+    # Otherwise x2 = -x1 - A = -2Au^2 / den, with Edwards y = (2Au^2 + den) / (2Au^2 - den).
+    redo = [k for k, sq in enumerate(square) if not sq]
+    two_a_u2 = {k: 2 * _A * us[k] * us[k] % P for k in redo}
+    inv2 = _batch_inverse([(two_a_u2[k] - dens[k]) % P for k in redo])
+    for k, i in zip(redo, inv2):
+        ys[k] = (two_a_u2[k] + dens[k]) * i % P
+    for k, x in zip(redo, _decode_x([ys[k] for k in redo])):
+        if x is None:
+            raise RuntimeError("libsodium refused both Elligator 2 candidates: its point decoding changed")
+        xs[k] = x
+    # The RFC takes the Montgomery v with sgn0(v) == is_square(gx1) and x = c1 * xM / v, so
+    # with the even root x' found above, v' = c1 * xM / x' and x = x' exactly when sgn0(v') agrees.
+    xm_num = [(-_A if sq else -two_a_u2[k]) % P for k, sq in enumerate(square)]  # xM = xm_num / den
+    inv3 = _batch_inverse([den * x % P for den, x in zip(dens, xs)])  # type: ignore[operator]
+    out = []
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        if not x:  # x == 0 only for xM == 0 (u == 0): the RFC's exceptional case maps to the identity
+            out.append((0, 1))
+            continue
+        v = _C1 * xm_num[k] % P * inv3[k] % P
+        out.append((x if _sgn0(v) == square[k] else P - x, y))
+    return out
+
+
+def _hash_projective(ids: Iterable[bytes], dst: bytes) -> list[tuple[int, int, int]]:
+    """RFC 9380 ``hash_to_curve`` for every ID, as projective Edwards points (X : Y : Z)."""
+    xmd = _Xmd(dst, 96)
+    us = []
+    for i in ids:
+        uniform = xmd(i)
+        us.append(int.from_bytes(uniform[:48], "big") % P)
+        us.append(int.from_bytes(uniform[48:], "big") % P)
+    qs = _map_to_curve(us)
+    out = []
+    for k in range(0, len(qs), 2):
+        (x0, y0), (x1, y1) = qs[k], qs[k + 1]
+        # Q0 + Q1 (complete addition, a = -1), then clear the cofactor with three doublings.
+        t = _D * (x0 * x1 % P) % P * (y0 * y1 % P) % P
+        X = (x0 * y1 + y0 * x1) * (1 - t) % P
+        Y = (y0 * y1 + x0 * x1) * (1 + t) % P
+        Z = (1 - t * t) % P
+        for _ in range(3):  # dbl-2008-bbjlp with a = -1
+            b = (X + Y) * (X + Y) % P
+            c = X * X % P
+            d = Y * Y % P
+            f = d - c
+            j = (f - 2 * Z * Z) % P
+            X, Y, Z = (b - c - d) * j % P, -f * (c + d) % P, f * j % P
+        out.append((X, Y, Z))
+    return out
+
+
+def hash_to_edwards(ids: Iterable[bytes], dst: bytes = DEFAULT_DST) -> list[tuple[int, int]]:
+    """RFC 9380 ``edwards25519_XMD:SHA-512_ELL2_RO_`` of every ID: affine Edwards (x, y)."""
+    points = _hash_projective(ids, dst)
+    invs = _batch_inverse([z for _, _, z in points])
+    return [(x * i % P, y * i % P) for (x, y, _), i in zip(points, invs)]
 
 
 def edwards_to_montgomery(edwards_points: Iterable[bytes]) -> bytes:
@@ -71,27 +277,21 @@ def edwards_to_montgomery(edwards_points: Iterable[bytes]) -> bytes:
     one per point: the inversion dominates the cost of the conversion.
     """
     ys = [int.from_bytes(e, "little") & _Y_MASK for e in edwards_points]
-    dens = [(1 - y) % P for y in ys]
-    prefix = []
-    acc = 1
-    for d in dens:
-        if d == 0:
-            raise ValueError("the identity point has no Montgomery u-coordinate")
-        prefix.append(acc)
-        acc = acc * d % P
-    inv = pow(acc, P - 2, P)
-    out = bytearray(POINT_BYTES * len(ys))
-    for i in range(len(ys) - 1, -1, -1):
-        inv_d = inv * prefix[i] % P
-        inv = inv * dens[i] % P
-        u = (1 + ys[i]) * inv_d % P
-        out[POINT_BYTES * i : POINT_BYTES * (i + 1)] = u.to_bytes(POINT_BYTES, "little")
-    return bytes(out)
+    return _to_u([(y, 1) for y in ys])
 
 
-def hash_to_curve(ids: Iterable[bytes]) -> bytes:
+def _to_u(yz: Sequence[tuple[int, int]]) -> bytes:
+    """u = (Z + Y) / (Z - Y) for projective Edwards (Y : Z), concatenated little-endian."""
+    dens = [(z - y) % P for y, z in yz]
+    if not all(dens):
+        raise ValueError("the identity point has no Montgomery u-coordinate")
+    invs = _batch_inverse(dens)
+    return b"".join(((z + y) * i % P).to_bytes(POINT_BYTES, "little") for (y, z), i in zip(yz, invs))
+
+
+def hash_to_curve(ids: Iterable[bytes], dst: bytes = DEFAULT_DST) -> bytes:
     """Hash normalised IDs onto the prime-order subgroup; 32-byte u-coordinates, concatenated."""
-    return edwards_to_montgomery(crypto_core_ed25519_from_uniform(_uniform_bytes(i)) for i in ids)
+    return _to_u([(y, z) for _, y, z in _hash_projective(ids, dst)])
 
 
 def generate_key() -> bytes:
@@ -105,15 +305,62 @@ def generate_key() -> bytes:
     )
 
 
-def blind(key: bytes, points: bytes, out_bytes: int = POINT_BYTES) -> bytes:
+def _split(points: bytes) -> list[int]:
+    if len(points) % POINT_BYTES:
+        raise ValueError(f"{len(points)} bytes is not a whole number of {POINT_BYTES}-byte points")
+    return [int.from_bytes(points[i : i + POINT_BYTES], "little") for i in range(0, len(points), POINT_BYTES)]
+
+
+def check_points(blob: bytes) -> None:
+    """Refuse a batch of received u-coordinates unless every one is a canonical point of large order on the curve.
+
+    Raises ``ValueError`` naming the first bad point and why. The curve/twist test is
+    libsodium decoding the matching Edwards ``y``, two points a call: a Python ``pow``
+    per point would cost three X25519s.
+    """
+    us = _split(blob)
+    first_bad, reason = len(us), ""
+    for k, u in enumerate(us):
+        if u >> 255:
+            first_bad, reason = k, "non-canonical: its top bit is set"
+        elif u >= P:
+            first_bad, reason = k, "non-canonical: u >= p"
+        elif u in _LOW_ORDER_U:
+            first_bad, reason = k, "of low order"
+        else:
+            continue
+        break
+    # Only the points before the first cheap failure can name an earlier bad index.
+    head = us[:first_bad]
+    # Edwards y = (u - 1) / (u + 1) has a point exactly when u is on the curve; u + 1 != 0 here.
+    invs = _batch_inverse([u + 1 for u in head])
+    encs = [((u - 1) * i % P).to_bytes(32, "little") for u, i in zip(head, invs)]
+    for k in range(0, len(encs), 2):
+        pair = encs[k : k + 2]
+        try:
+            crypto_core_ed25519_add(pair[0], pair[-1])
+        except RuntimeError:
+            for j, e in enumerate(pair):
+                try:
+                    crypto_core_ed25519_add(e, _B_ENC)
+                except RuntimeError:
+                    raise ValueError(f"point {k + j} of the batch is not on the curve (it is on the twist)") from None
+    if reason:
+        raise ValueError(f"point {first_bad} of the batch is {reason}")
+
+
+def blind(key: bytes, points: bytes, out_bytes: int = POINT_BYTES, validate: bool = True) -> bytes:
     """Multiply every 32-byte u-coordinate in ``points`` by the scalar ``key``.
 
     ``out_bytes`` < 32 truncates each result (for the final, double-blinded
-    values that are only compared). A low-order input point raises
-    ``ValueError``: X25519 yields the all-zero value for it.
+    values that are only compared). With ``validate`` (the default, for points
+    from a peer) the batch goes through ``check_points`` first; either way a
+    low-order input point raises ``ValueError``: X25519 yields the all-zero value for it.
     """
     if len(points) % POINT_BYTES:
         raise ValueError(f"{len(points)} bytes is not a whole number of {POINT_BYTES}-byte points")
+    if validate:
+        check_points(points)
     private = X25519PrivateKey.from_private_bytes(key)
     exchange = private.exchange
     from_bytes = X25519PublicKey.from_public_bytes

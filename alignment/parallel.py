@@ -57,8 +57,8 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _hash_slice(ids: Sequence[bytes]) -> bytes:
-    return curve.hash_to_curve(ids)
+def _hash_slice(ids: Sequence[bytes], dst: bytes) -> bytes:
+    return curve.hash_to_curve(ids, dst)
 
 
 class WorkerPool:
@@ -85,12 +85,12 @@ class WorkerPool:
     def _parallel(self, n: int) -> bool:
         return self.parallel and n >= INLINE_BELOW
 
-    def hash_to_curve(self, ids: Sequence[bytes]) -> bytes:
+    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
         """``curve.hash_to_curve`` over all cores."""
         if not self._parallel(len(ids)):
-            return curve.hash_to_curve(ids)
+            return curve.hash_to_curve(ids, dst)
         slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
-        return b"".join(self._pool().map(_hash_slice, slices))
+        return b"".join(self._pool().map(partial(_hash_slice, dst=dst), slices))
 
     def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
               cancel: threading.Event | None = None) -> bytes:

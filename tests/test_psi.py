@@ -88,9 +88,10 @@ def test_no_raw_id_or_unblinded_hash_crosses(pool, threads) -> None:
 
 def test_parallel_pool_matches_inline(threads) -> None:
     ids = [curve.normalize_id(f"id-{i}") for i in range(9000)]
+    dst = curve.psi_dst("bank|partner")  # the workers must hash with the caller's DST
     with WorkerPool(workers=2) as parallel:
-        points = parallel.hash_to_curve(ids)
-        assert points == curve.hash_to_curve(ids)
+        points = parallel.hash_to_curve(ids, dst)
+        assert points == curve.hash_to_curve(ids, dst)
         key = curve.generate_key()
         assert parallel.blind(key, points, 12) == curve.blind(key, points, 12)
 

@@ -1,0 +1,95 @@
+"""The party-local cache of hashed IDs: keyed names, a per-DST key, tags that refuse tampering."""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from alignment import cache, curve
+from alignment.parallel import WorkerPool
+
+IDS = [curve.normalize_id(f"ACC-{i:04d}") for i in range(40)]
+DST = curve.psi_dst("bank|partner-a")
+
+
+class CountingPool(WorkerPool):
+    """An inline pool that counts how often it really hashes."""
+
+    def __init__(self) -> None:
+        super().__init__(workers=1)
+        self.calls = 0
+
+    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
+        self.calls += 1
+        return super().hash_to_curve(ids, dst)
+
+
+@pytest.fixture()
+def pool() -> Iterator[CountingPool]:
+    with CountingPool() as p:
+        yield p
+
+
+def test_second_read_comes_from_the_cache_under_a_private_key(tmp_path: Path, pool: CountingPool) -> None:
+    first = cache.hashed_points(IDS, pool, tmp_path, DST)
+    assert first == curve.hash_to_curve(IDS, DST)
+    assert cache.hashed_points(IDS, pool, tmp_path, DST) == first
+    assert pool.calls == 1
+    key_file = tmp_path / cache.KEY_FILE
+    assert len(key_file.read_bytes()) == 32
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    entry = cache.cache_path(tmp_path, IDS, DST, key_file.read_bytes())
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o600
+
+
+def test_the_name_depends_on_the_key_and_the_dst(tmp_path: Path) -> None:
+    key_a, key_b = bytes(32), bytes([1]) * 32
+    name = cache.cache_path(tmp_path, IDS, DST, key_a)
+    assert cache.cache_path(tmp_path, IDS, DST, key_a) == name
+    assert cache.cache_path(tmp_path, IDS, DST, key_b) != name
+    assert cache.cache_path(tmp_path, IDS, curve.psi_dst("bank|partner-b"), key_a) != name
+    assert cache.cache_path(tmp_path, IDS, curve.DEFAULT_DST, key_a) != name
+    assert cache.cache_path(tmp_path, IDS[:-1], DST, key_a) != name
+    # Without the key, the old unkeyed recipe (or any hash of the IDs) does not find the file.
+    unkeyed = hashlib.sha256(DST + b"".join(IDS)).hexdigest()
+    assert unkeyed not in name.name
+
+
+def test_two_partnerships_never_share_an_entry(tmp_path: Path, pool: CountingPool) -> None:
+    a = cache.hashed_points(IDS, pool, tmp_path, DST)
+    b = cache.hashed_points(IDS, pool, tmp_path, curve.psi_dst("bank|partner-b"))
+    assert a != b
+    assert pool.calls == 2
+    assert b == curve.hash_to_curve(IDS, curve.psi_dst("bank|partner-b"))
+
+
+@pytest.mark.parametrize("where", ["tag", "points"])
+def test_a_tampered_file_is_ignored_and_rewritten(tmp_path: Path, pool: CountingPool, where: str) -> None:
+    honest = cache.hashed_points(IDS, pool, tmp_path, DST)
+    path = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path))
+    blob = bytearray(path.read_bytes())
+    blob[5 if where == "tag" else cache.TAG_BYTES + 7] ^= 1
+    path.write_bytes(bytes(blob))
+    assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest
+    assert pool.calls == 2  # recomputed, not read
+    assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest
+    assert pool.calls == 2  # and the rewritten file is good again
+
+
+def test_a_file_written_under_another_key_is_not_used(tmp_path: Path, pool: CountingPool) -> None:
+    """Someone who can write the folder but lacks the key cannot plant points."""
+    honest = cache.hashed_points(IDS, pool, tmp_path, DST, key=bytes(32))
+    planted = cache.cache_path(tmp_path, IDS, DST, bytes(32)).read_bytes()
+    path = cache.cache_path(tmp_path, IDS, DST, bytes([7]) * 32)
+    path.write_bytes(planted)
+    assert cache.hashed_points(IDS, pool, tmp_path, DST, key=bytes([7]) * 32) == honest
+    assert pool.calls == 2
+
+
+def test_without_a_cache_dir_nothing_is_written(tmp_path: Path, pool: CountingPool) -> None:
+    assert cache.hashed_points(IDS, pool, None) == curve.hash_to_curve(IDS)
+    assert list(tmp_path.iterdir()) == []
