@@ -10,8 +10,13 @@ Names and tags are keyed
     test whether an ID set, or an ID, is there by recomputing a name. The key
     (``cache.key``: 32 random bytes, mode 0600, created on first use) never
     leaves the party. The DST goes into the key derivation: one partnership's
-    entries are never read for another's. Each file starts with an HMAC tag of
-    its name and content; a file whose tag fails is ignored and rewritten.
+    entries are never read for another's.
+
+Contents are encrypted
+    ``H(id)`` in the clear would let anyone who can read a file test an ID
+    by hashing it (the DST is no secret). Each file is the hashed set sealed
+    with ChaCha20-Poly1305 under the same key (a fresh nonce, the name as
+    associated data); a file that does not open is ignored and rewritten.
     Files are written atomically, mode 0600.
 """
 
@@ -27,6 +32,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
 from alignment import curve
 from alignment.parallel import WorkerPool
 from parties.files import atomic_write_bytes
@@ -37,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 KEY_FILE = "cache.key"
 KEY_BYTES = 32
-TAG_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16  # Poly1305
 _LABEL = b"cutlayer-psi-cache-v2"
 
 
@@ -86,11 +95,13 @@ def _name(subkey: bytes, ids: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
-def _tag(subkey: bytes, name: str, data: bytes) -> bytes:
-    h = hmac.new(subkey, b"tag", hashlib.sha256)
-    h.update(name.encode("ascii"))
-    h.update(data)
-    return h.digest()
+def _seal(subkey: bytes, name: str, data: bytes) -> bytes:
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(subkey).encrypt(nonce, data, name.encode("ascii"))
+
+
+def _open(subkey: bytes, name: str, blob: bytes) -> bytes:
+    return ChaCha20Poly1305(subkey).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], name.encode("ascii"))
 
 
 def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) -> Path:
@@ -114,18 +125,19 @@ def hashed_points(
     subkey = _subkey(key if key is not None else cache_key(cache_dir), dst)
     name = _name(subkey, ids)
     path = Path(cache_dir) / f"{name}.u25519"
-    expected = TAG_BYTES + len(ids) * curve.POINT_BYTES
+    expected = NONCE_BYTES + len(ids) * curve.POINT_BYTES + TAG_BYTES
     try:
         blob = path.read_bytes()
         if len(blob) != expected:
             logger.warning("ignoring a cached hashed set of the wrong size")
-        elif not hmac.compare_digest(blob[:TAG_BYTES], _tag(subkey, name, blob[TAG_BYTES:])):
-            logger.warning("ignoring a cached hashed set whose integrity tag does not match")
         else:
+            data = _open(subkey, name, blob)
             logger.info("hashed ID set read from the cache")
-            return blob[TAG_BYTES:]
+            return data
     except FileNotFoundError:
         pass
+    except InvalidTag:
+        logger.warning("ignoring a cached hashed set that does not open with this party's key")
     data = pool.hash_to_curve(ids, dst)
-    atomic_write_bytes(path, _tag(subkey, name, data) + data)
+    atomic_write_bytes(path, _seal(subkey, name, data))
     return data

@@ -18,7 +18,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 import threading
-from concurrent.futures import CancelledError, Executor, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 
@@ -93,35 +93,45 @@ class WorkerPool:
         return b"".join(self._pool().map(partial(_hash_slice, dst=dst), slices))
 
     def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
-              cancel: threading.Event | None = None) -> bytes:
-        """``curve.blind`` over all cores; ``cancel`` set stops it between slices (``CancelledError``)."""
+              cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
+        """``curve.blind`` over all cores; ``cancel`` set stops it between slices (``CancelledError``).
+
+        ``validate``: check every point first (``curve.check_points``); only a party's own freshly hashed
+        points skip it. A bad point is named by the slice it is in and its place there.
+        """
         n = len(points) // curve.POINT_BYTES
         step = SLICE_RECORDS * curve.POINT_BYTES
         slices = [points[i : i + step] for i in range(0, len(points), step)] or [b""]
-        fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes)
-        if not self._parallel(n):
-            parts = []
-            for part in slices:
-                if cancel is not None and cancel.is_set():
-                    raise CancelledError("blinding cancelled")
-                parts.append(fn(part))
-            return b"".join(parts)
-        futures = [self._pool().submit(fn, part) for part in slices]
+        fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes, validate=validate)
+        parallel = self._parallel(n)
+        futures = [self._pool().submit(fn, part) for part in slices] if parallel else []
+        parts = []
         try:
-            parts = []
-            for future in futures:
-                while True:
-                    if cancel is not None and cancel.is_set():
-                        raise CancelledError("blinding cancelled")
-                    try:
-                        parts.append(future.result(timeout=0.2))
-                        break
-                    except FuturesTimeout:
-                        continue
+            for i, part in enumerate(slices):
+                try:
+                    parts.append(self._result(futures[i], cancel) if parallel else self._inline(fn, part, cancel))
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
             return b"".join(parts)
         finally:
             for future in futures:  # whatever has not started never will
                 future.cancel()
+
+    @staticmethod
+    def _inline(fn: Callable[[bytes], bytes], part: bytes, cancel: threading.Event | None) -> bytes:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("blinding cancelled")
+        return fn(part)
+
+    @staticmethod
+    def _result(future: Future[bytes], cancel: threading.Event | None) -> bytes:
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError("blinding cancelled")
+            try:
+                return future.result(timeout=0.2)
+            except FuturesTimeout:
+                continue
 
     def close(self) -> None:
         if self._executor is not None:

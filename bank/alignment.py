@@ -22,7 +22,7 @@ import numpy as np
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import PsiPeer, PsiResult, check_minimum, run_initiator
+from alignment.session import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import ConfigError
 from parties.jobs import Progress
@@ -55,16 +55,17 @@ def align_with_partners(
     order_seed: int = 0,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
+    bank_name: str = "bank",
 ) -> tuple[AlignedRows, dict[str, int]]:
     """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows."""
     say = progress or (lambda _msg: None)
     if not partners:
         raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
-    say("hashing own IDs onto the curve")
-    points = hashed_points(table.normalized_ids, pool, cache_dir)
     results: dict[str, tuple[str, PsiResult]] = {}
     try:
         for name, peer in partners.items():
+            say(f"{name}: hashing own IDs onto the curve")
+            points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             session_id, result = run_initiator(
                 peer, points, pool, progress=lambda msg, name=name: say(f"{name}: {msg}")
             )

@@ -93,6 +93,7 @@ class BankCore:
                 order_seed=request.order_seed,
                 cache_dir=self.settings.cache_dir,
                 progress=progress,
+                bank_name=self.settings.name,
             )
         self.alignment, self.pairwise = alignment, pairwise
         save_alignment(self.settings.state_path, self.table, alignment)

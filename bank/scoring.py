@@ -27,7 +27,7 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import run_initiator
+from alignment.session import partnership_dst, run_initiator
 from bank.aggregation import Aggregation, get_aggregation
 from bank.bank_only import BankOnlyModel
 from bank.manifest import Manifest, SubsetEntry, read_manifest
@@ -76,13 +76,14 @@ class _Customers:
         self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
         self.fallbacks: dict[str, Fallbacks] = {}
 
-    def align(self, partner: HttpPartner, width: int, manifest: Manifest, points: bytes, pool: WorkerPool,
+    def align(self, partner: HttpPartner, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
               say: Progress) -> str | None:
         """PSI with ``partner`` and its embeddings of the customers it holds; its refusal's reason, if it refused."""
         name = partner.name
         self.embeddings[name] = torch.zeros((self.n, width))
         self.held[name] = np.zeros(self.n, dtype=bool)
         self.why[name] = f"not held by {name}"
+        points = hashed_points(self.table.normalized_ids, pool, None, partnership_dst(bank_name, name))
         session_id, result = run_initiator(partner, points, pool)
         scoring_id = uuid.uuid4().hex
         try:
@@ -136,13 +137,12 @@ def score_customers(
     own_features, customers.fallbacks[bank_name] = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
     customers.embeddings[bank_name] = own.embed(torch.from_numpy(own_features))
     refused = {}
-    points = hashed_points(table.normalized_ids, pool, None)
     for k, name in enumerate(names[1:], start=1):
         partner, entry = partners[name], manifest.party(name)
         say(f"{name}: loading its part of the model", k / (len(names) + 1))
         partner.load_model(manifest.model_id, entry.files, entry.embedding_width)
         say(f"{name}: aligning the customers (PSI)", k / (len(names) + 1))
-        reason = customers.align(partner, entry.embedding_width, manifest, points, pool, say)
+        reason = customers.align(partner, entry.embedding_width, manifest, bank_name, pool, say)
         if reason is not None:
             refused[name] = reason
             say(f"{name} refused the alignment: {reason}", None)

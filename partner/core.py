@@ -13,7 +13,7 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import PROTOCOL_VERSION, PsiResponder, check_minimum
+from alignment.session import PROTOCOL_VERSION, PsiResponder, check_minimum, partnership_dst
 from partner.budget import PsiBudgets
 from parties.dataset import AlignedRows, PartyTable
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
@@ -51,9 +51,7 @@ class PartnerCore:
         self.settings, self.table = settings, table
         self.pool = WorkerPool(settings.workers)
         self.threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="psi")
-        self._points: Future[bytes] = self.threads.submit(
-            hashed_points, table.normalized_ids, self.pool, settings.cache_dir
-        )
+        self._points: dict[str, Future[bytes]] = {}  # per bank: this table hashed under the partnership's DST
         self._sessions: dict[str, PsiResponder] = {}
         self.budgets = PsiBudgets(settings.psi_budget)
         self._lock = threading.Lock()
@@ -79,12 +77,20 @@ class PartnerCore:
                 oldest = min(mine, key=lambda sid: self._sessions[sid].last_used)
                 self._drop_psi(oldest)
                 logger.info("PSI session %s closed: its owner opened another with every slot taken", oldest)
-        points = self._points.result()
+        points = self._hashed_for(owner).result()
         responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items, owner)
         with self._lock:
             self._sessions[responder.session_id] = responder
         logger.info("PSI session %s opened", responder.session_id)
         return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items)
+
+    def _hashed_for(self, bank: str) -> Future[bytes]:
+        with self._lock:
+            if bank not in self._points:
+                dst = partnership_dst(bank, self.settings.name)
+                self._points[bank] = self.threads.submit(
+                    hashed_points, self.table.normalized_ids, self.pool, self.settings.cache_dir, dst)
+            return self._points[bank]
 
     def session(self, session_id: str, owner: str = "") -> PsiResponder:
         """The PSI session ``session_id`` of the bank ``owner``: another bank's is as unknown as a missing one."""

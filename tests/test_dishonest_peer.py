@@ -195,3 +195,41 @@ def test_abort_stops_blinding_that_has_not_run_yet(threads) -> None:
     full = 60_000 / 15_000  # seconds to blind them all at a generous 15,000 X25519 per second
     assert elapsed < full / 2, elapsed
 
+
+
+# --- points and hashes ------------------------------------------------------------------------------
+
+
+def _twist_point() -> bytes:
+    u = 2
+    while curve.is_on_curve(u.to_bytes(32, "little")):
+        u += 1
+    return u.to_bytes(32, "little")
+
+
+@pytest.mark.parametrize("bad", ["twist", "non-canonical", "low-order"])
+def test_a_partner_refuses_points_off_the_curve(bad, pki: Path, partition, start_partner) -> None:
+    point = {"twist": _twist_point(), "non-canonical": (curve.P + 9).to_bytes(32, "little"),
+             "low-order": bytes(32)}[bad]
+    partner = start_partner(partition["partner1"])
+    with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client:
+        peer = HttpPartner("partner", partner.url, client)
+        info = peer.open(2, 64)
+        peer.put_blinded(info.session_id, 0, _points(["a"]) + point)
+        with pytest.raises(PeerError, match=r"HTTP 400.*point 1"):
+            peer.get_reblinded(info.session_id, 0)
+
+
+def test_the_hashes_are_bound_to_the_partnership(pki: Path, partition, start_partner) -> None:
+    """The partner hashes under the DST of the bank its certificate names: a bank that hashes as another
+    bank (or a value carried over from another partnership) matches nothing."""
+    assert session.partnership_dst("bank", "partner") != session.partnership_dst("bank2", "partner")
+    partner = start_partner(partition["partner1"])
+    table = load_party_table(partition["bank"], "customer_id", "y")
+    with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client, \
+            WorkerPool(1) as pool:
+        peer = HttpPartner("partner", partner.url, client)
+        with pytest.raises(Exception, match="intersection with partner 'partner' is empty"):
+            align_with_partners(table, {"partner": peer}, pool, bank_name="bank2")
+        alignment, _ = align_with_partners(table, {"partner": peer}, pool, bank_name="bank")
+    assert len(alignment) > 1000

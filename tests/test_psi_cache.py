@@ -1,4 +1,4 @@
-"""The party-local cache of hashed IDs: keyed names, a per-DST key, tags that refuse tampering."""
+"""The party-local cache of hashed IDs: keyed names, a per-DST key, encrypted contents that refuse tampering."""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def test_two_partnerships_never_share_an_entry(tmp_path: Path, pool: CountingPoo
     assert b == curve.hash_to_curve(IDS, curve.psi_dst("bank|partner-b"))
 
 
-@pytest.mark.parametrize("where", ["tag", "points"])
+@pytest.mark.parametrize("where", ["nonce", "points"])
 def test_a_tampered_file_is_ignored_and_rewritten(tmp_path: Path, pool: CountingPool, where: str) -> None:
     honest = cache.hashed_points(IDS, pool, tmp_path, DST)
     path = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path))
     blob = bytearray(path.read_bytes())
-    blob[5 if where == "tag" else cache.TAG_BYTES + 7] ^= 1
+    blob[5 if where == "nonce" else cache.NONCE_BYTES + 7] ^= 1
     path.write_bytes(bytes(blob))
     assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest
     assert pool.calls == 2  # recomputed, not read
@@ -88,6 +88,13 @@ def test_a_file_written_under_another_key_is_not_used(tmp_path: Path, pool: Coun
     path.write_bytes(planted)
     assert cache.hashed_points(IDS, pool, tmp_path, DST, key=bytes([7]) * 32) == honest
     assert pool.calls == 2
+
+
+def test_the_file_holds_no_hashed_id_in_the_clear(tmp_path: Path, pool: CountingPool) -> None:
+    """Someone who can read the file cannot test an ID by hashing it: the points are encrypted."""
+    points = cache.hashed_points(IDS, pool, tmp_path, DST)
+    blob = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path)).read_bytes()
+    assert not any(points[k : k + 16] in blob for k in range(0, len(points), curve.POINT_BYTES))
 
 
 def test_without_a_cache_dir_nothing_is_written(tmp_path: Path, pool: CountingPool) -> None:
