@@ -30,7 +30,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from parties.errors import ConfigError
 from parties.files import atomic_write_text
 from parties.hotpath import HotExchange, HotPath
-from parties.tls import TLSFiles, peer_identity
+from parties.tls import TLSFiles, is_loopback, peer_identity
 
 __all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
 
@@ -268,8 +268,19 @@ def build_server(
     return _Server(config)
 
 
+def _plain_http_on_loopback_only(tls: TLSFiles | None, host: str) -> None:
+    """Plain HTTP (``--insecure``) listens on loopback only, and says so loudly at start."""
+    if tls is not None:
+        return
+    if not is_loopback(host):
+        raise ConfigError(f"--insecure serves plain HTTP: it listens on a loopback address only, not {host}")
+    logger.warning("INSECURE: serving plain HTTP on %s without certificates (--insecure); callers are not "
+                   "authenticated and traffic is not encrypted. Development on one machine only.", host)
+
+
 def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ...}`` to ``ready_file``."""
+    _plain_http_on_loopback_only(tls, host)
     sock = bind_socket(host, port)
     server = build_server(app, tls, log_level="info")
     scheme = "https" if tls is not None else "http"
@@ -306,6 +317,7 @@ class ServerThread:
 
     def __init__(self, app: Any, tls: TLSFiles | None, host: str = "127.0.0.1") -> None:
         self.app = app
+        _plain_http_on_loopback_only(tls, host)
         self.sock = bind_socket(host, 0)
         self.server = build_server(app, tls, own_process=False)
         scheme = "https" if tls is not None else "http"

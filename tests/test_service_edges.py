@@ -6,13 +6,20 @@ and talks to it over real sockets, because each edge lives below the app.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from parties.client import make_client
 from parties.errors import BadMessage
+from parties.settings import PartnerSettings
 from parties.tls import TLSFiles
 from parties.wire import check_nesting, decode
 
@@ -47,3 +54,57 @@ def test_a_deeply_nested_header_is_a_400_not_a_500(pki, start_partner, tiny_part
         assert response.status_code == 400, response.text
         assert "nests deeper" in response.json()["detail"]
         assert client.get(f"{partner.url}/health").status_code == 200  # and the service still answers
+
+
+# --- TLS is the command line's decision -------------------------------------------------------------
+
+
+def _serve_partner(data: Path, flags: list[str], env: dict[str, str], tmp_path: Path) -> tuple[int | None, str, str]:
+    """Start ``python -m partner serve``; once it listens (or exits), its URL (or "") and its log."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partner", "serve", "--name", "partner", "--data", str(data), "--workers", "1",
+         "--state-dir", str(tmp_path / "state"), "--ready-file", str(ready), *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **env},
+    )
+    deadline = time.monotonic() + 120
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    url = json.loads(ready.read_text())["url"] if ready.exists() else ""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, url, err
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "on", "true"])
+def test_an_insecure_variable_alone_is_refused(tiny_partner_csv, tmp_path, value) -> None:
+    code, url, err = _serve_partner(tiny_partner_csv, [], {"CUTLAYER_PARTNER_INSECURE": value}, tmp_path)
+    assert code == 2 and url == ""
+    assert "CUTLAYER_PARTNER_INSECURE is set, but the environment cannot turn TLS off" in err
+
+
+def test_an_explicit_tls_flag_wins_over_an_insecure_variable(pki, tiny_partner_csv, tmp_path) -> None:
+    code, url, err = _serve_partner(tiny_partner_csv, ["--tls-dir", str(pki)], {"CUTLAYER_PARTNER_INSECURE": "1"},
+                                    tmp_path)
+    assert url.startswith("https://127.0.0.1:")
+    assert "CUTLAYER_PARTNER_INSECURE is ignored" in err and "INSECURE: serving plain HTTP" not in err
+
+
+def test_insecure_needs_loopback_and_says_so_loudly(tiny_partner_csv, tmp_path) -> None:
+    code, url, err = _serve_partner(tiny_partner_csv, ["--insecure", "--host", "0.0.0.0"], {}, tmp_path)
+    assert code == 2 and url == "" and "loopback address only" in err
+    code, url, err = _serve_partner(tiny_partner_csv, ["--insecure"], {}, tmp_path)
+    assert url.startswith("http://127.0.0.1:")
+    assert "WARNING parties.server: INSECURE: serving plain HTTP" in err
+
+
+def test_insecure_and_a_tls_flag_together_are_refused(pki, tiny_partner_csv, tmp_path) -> None:
+    code, url, err = _serve_partner(tiny_partner_csv, ["--insecure", "--tls-dir", str(pki)], {}, tmp_path)
+    assert code == 2 and url == "" and "give one or the other" in err
+
+
+def test_settings_never_read_insecure_from_the_environment(pki, tiny_partner_csv, monkeypatch) -> None:
+    monkeypatch.setenv("CUTLAYER_PARTNER_INSECURE", "1")
+    settings = PartnerSettings(name="partner", data=tiny_partner_csv, tls_dir=pki)
+    assert not settings.insecure and settings.tls_files() == TLSFiles.from_dir(pki, "partner")
