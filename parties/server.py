@@ -149,7 +149,7 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         self.cycle = _HotCycle(exchange, keep_alive)  # type: ignore[assignment]
         if exchange.answer is not None:
-            self._answer_hot()  # refused on its head: answer now; the body is read and dropped
+            self._answer_hot()  # refused on its head: answer now and close; the body is never read
         elif self.expect_100_continue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return True
@@ -177,6 +177,7 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         assert isinstance(cycle, _HotCycle)
         response = cycle.exchange.finish()
         cycle.response_complete = True
+        cycle.keep_alive = cycle.keep_alive and not response.closes  # a refused body is not read on
         if not self.transport.is_closing():
             self.transport.write(response.http(self.server_state.default_headers, close=not cycle.keep_alive))
             if not cycle.keep_alive:

@@ -9,18 +9,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import ssl
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from parties.client import make_client
 from parties.errors import BadMessage
 from parties.settings import PartnerSettings
-from parties.tls import TLSFiles
+from parties.tls import TLSFiles, client_ssl_context
 from parties.wire import check_nesting, decode
 
 
@@ -108,3 +111,55 @@ def test_settings_never_read_insecure_from_the_environment(pki, tiny_partner_csv
     monkeypatch.setenv("CUTLAYER_PARTNER_INSECURE", "1")
     settings = PartnerSettings(name="partner", data=tiny_partner_csv, tls_dir=pki)
     assert not settings.insecure and settings.tls_files() == TLSFiles.from_dir(pki, "partner")
+
+
+# --- a refused body is not read on ----------------------------------------------------------------
+
+
+def tls_socket(pki: Path, name: str, url: str, timeout: float = 5.0) -> ssl.SSLSocket:
+    """A raw mutual-TLS connection to a service, as party ``name``."""
+    parts = urlsplit(url)
+    raw = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+    return client_ssl_context(TLSFiles.from_dir(pki, name)).wrap_socket(raw, server_hostname=parts.hostname)
+
+
+def trickle_until_closed(sock: ssl.SSLSocket, chunk: bytes, seconds: float) -> tuple[bytes, float | None]:
+    """Send ``chunk`` every 20 ms while reading; what the server said and when it closed (``None``: never)."""
+    sock.settimeout(0.02)
+    start, received = time.monotonic(), b""
+    while time.monotonic() - start < seconds:
+        try:
+            sock.sendall(chunk)
+        except (OSError, ssl.SSLError):
+            return received, time.monotonic() - start
+        try:
+            data = sock.recv(65536)
+        except (TimeoutError, socket.timeout, ssl.SSLWantReadError):
+            continue
+        except (OSError, ssl.SSLError):
+            return received, time.monotonic() - start
+        if not data:
+            return received, time.monotonic() - start
+        received += data
+    return received, None
+
+
+@pytest.mark.parametrize("caller, path, framing, status", [
+    ("bank", "/train/sessions", "declared", b"413"),
+    ("bank", "/train/sessions/s1/step", "declared", b"413"),
+    ("bank", "/train/sessions", "chunked", b"413"),
+    ("bank", "/train/sessions/s1/step", "chunked", b"413"),
+    ("partner2", "/train/sessions", "declared", b"403"),
+    ("partner2", "/train/sessions/s1/step", "declared", b"403"),
+], ids=["413-declared", "413-declared-hot", "413-streamed", "413-streamed-hot", "403", "403-hot"])
+def test_a_refused_body_closes_the_connection(pki, start_partner, tiny_partner_csv, caller, path, framing,
+                                              status) -> None:
+    partner = start_partner(tiny_partner_csv, max_body_bytes=4096)
+    length = b"content-length: 2000000000" if framing == "declared" else b"transfer-encoding: chunked"
+    chunk = b"x" * 1024 if framing == "declared" else b"400\r\n" + b"x" * 1024 + b"\r\n"
+    with tls_socket(pki, caller, partner.url) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\n%s\r\n\r\n" % (path.encode(), length))
+        answer, closed_after = trickle_until_closed(sock, chunk, seconds=5)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert b"connection: close" in answer.lower()
+    assert closed_after is not None and closed_after < 3, "the server kept reading a refused body"
