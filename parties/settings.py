@@ -47,6 +47,8 @@ class ServiceSettings(BaseSettings):
     workers: int | None = Field(None, ge=1)
     min_intersection: int = Field(1, ge=1)
     max_body_bytes: int = Field(64 << 20, ge=1024)
+    header_timeout: float = Field(30.0, gt=0, description="seconds for a client's TLS handshake and request head")
+    body_timeout: float = Field(60.0, gt=0, description="seconds for a request's body to arrive, once its head has")
     ready_file: Path | None = None
     torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
     cpus: tuple[int, ...] | None = Field(

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -163,3 +164,102 @@ def test_a_refused_body_closes_the_connection(pki, start_partner, tiny_partner_c
     assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
     assert b"connection: close" in answer.lower()
     assert closed_after is not None and closed_after < 3, "the server kept reading a refused body"
+
+
+# --- a slow client is cut off -----------------------------------------------------------------------
+
+HEAD = b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100000\r\n"
+
+
+@pytest.mark.parametrize("first, chunk", [
+    (b"", b""),  # connected, said nothing
+    (HEAD % b"/train/sessions", b"x-slow: 1\r\n"),  # a head that never ends
+    (HEAD % b"/train/sessions" + b"\r\n", b"x" * 8),  # a body that trickles
+    (HEAD % b"/train/sessions/s1/step" + b"\r\n", b"x" * 8),  # the same to a hot route
+], ids=["idle", "head", "body", "body-hot"])
+def test_a_trickling_client_is_cut_off(pki, start_partner, tiny_partner_csv, caplog, first, chunk) -> None:
+    partner = start_partner(tiny_partner_csv, header_timeout=1.0, body_timeout=1.0)
+    caplog.set_level("WARNING", logger="parties.server")
+    with tls_socket(pki, "bank", partner.url) as sock:
+        sock.sendall(first) if first else None
+        answer, closed_after = trickle_until_closed(sock, chunk, seconds=6)
+    assert closed_after is not None and closed_after < 3.5, "a trickling client held the connection"
+    assert "took longer than 1s to arrive" in caplog.text
+    if first.endswith(b"\r\n\r\n"):
+        assert not answer.startswith(b"HTTP/1.1 2")
+    else:
+        assert answer.startswith(b"HTTP/1.1 408")
+
+
+def test_three_tricklers_do_not_hold_the_server(pki, start_partner, tiny_partner_csv) -> None:
+    partner = start_partner(tiny_partner_csv, header_timeout=1.0, body_timeout=1.0)
+    socks = [tls_socket(pki, "bank", partner.url) for _ in range(3)]
+    for sock in socks:
+        sock.sendall(HEAD % b"/train/sessions" + b"\r\n")
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda s: trickle_until_closed(s, b"x", seconds=8), socks))
+    for sock in socks:
+        sock.close()
+    assert all(closed is not None and closed < 3.5 for _, closed in results)
+    with make_client(TLSFiles.from_dir(pki, "bank")) as client:
+        assert client.get(f"{partner.url}/health").status_code == 200
+
+
+def test_a_slow_app_is_not_mistaken_for_a_slow_client(pki, start_partner, tiny_partner_csv) -> None:
+    partner = start_partner(tiny_partner_csv, header_timeout=0.5, body_timeout=0.5)
+    with make_client(TLSFiles.from_dir(pki, "bank")) as client:
+        for _ in range(3):  # kept-alive requests, each well within its limits, over more than the timeouts
+            assert client.get(f"{partner.url}/health").status_code == 200
+            time.sleep(0.3)
+
+
+# --- refused handshakes are logged ------------------------------------------------------------------
+
+
+def _handshake(pki_dir: Path | None, url: str) -> None:
+    parts = urlsplit(url)
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # the client side is not under test
+    if pki_dir is not None:
+        files = TLSFiles.from_dir(pki_dir, "bank")
+        context.load_cert_chain(str(files.cert), str(files.key))
+    with socket.create_connection((parts.hostname, parts.port), timeout=5) as raw:
+        try:
+            with context.wrap_socket(raw, server_hostname=parts.hostname) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+                sock.recv(100)  # TLS 1.3: the server's refusal of the client arrives after the client's finish
+        except (OSError, ssl.SSLError):
+            pass
+
+
+@pytest.mark.parametrize("who, reason", [
+    ("rogue", "its certificate is not from this partnership's CA"),
+    ("anonymous", "it presented no client certificate"),
+    ("plain", "it does not speak TLS"),
+], ids=["wrong-ca", "no-certificate", "plain-http"])
+def test_a_refused_handshake_is_logged_with_the_peer_and_the_reason(pki, rogue_pki, start_partner, tiny_partner_csv,
+                                                                    caplog, who, reason) -> None:
+    partner = start_partner(tiny_partner_csv)
+    caplog.set_level("WARNING", logger="parties.edges")
+    if who == "plain":
+        parts = urlsplit(partner.url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as raw:
+            raw.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            raw.recv(100)
+    else:
+        _handshake(rogue_pki if who == "rogue" else None, partner.url)
+    deadline = time.monotonic() + 5
+    while "refused a TLS connection" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [record] = [r for r in caplog.records if r.name == "parties.edges"]
+    assert record.levelname == "WARNING"
+    assert "refused a TLS connection from 127.0.0.1:" in record.getMessage() and reason in record.getMessage()
+
+
+def test_a_caller_in_the_wrong_role_is_logged_with_its_address(pki, start_partner, tiny_partner_csv, caplog) -> None:
+    partner = start_partner(tiny_partner_csv)
+    caplog.set_level("WARNING", logger="parties")
+    with make_client(TLSFiles.from_dir(pki, "partner2")) as client:
+        assert client.post(f"{partner.url}/train/sessions", content=b"").status_code == 403
+    [record] = [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]
+    assert "from 127.0.0.1:" in record.getMessage() and "for the bank" in record.getMessage()
