@@ -18,6 +18,7 @@ import errno
 import functools
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -334,6 +335,8 @@ def _plain_http_on_loopback_only(tls: TLSFiles | None, host: str) -> None:
 def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ...}`` to ``ready_file``."""
     _plain_http_on_loopback_only(tls, host)
+    # What the service writes (state, runs, logs) is its party's alone, also where a library writes it.
+    os.umask(0o077)
     sock = bind_socket(host, port)
     server = build_server(app, tls, log_level="info")
     scheme = "https" if tls is not None else "http"

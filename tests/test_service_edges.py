@@ -19,10 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pandas as pd
 import pytest
+
+from bank.config import TrainingConfig
+from bank.operator import BankOperator
+from data.prepare import prepare_bank_marketing
 
 from parties.client import make_client
 from parties.errors import BadMessage
+from parties.files import open_private_log, private_dir
 from parties.settings import PartnerSettings
 from parties.tls import TLSFiles, client_ssl_context
 from parties.wire import check_nesting, decode
@@ -263,3 +269,41 @@ def test_a_caller_in_the_wrong_role_is_logged_with_its_address(pki, start_partne
         assert client.post(f"{partner.url}/train/sessions", content=b"").status_code == 403
     [record] = [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]
     assert "from 127.0.0.1:" in record.getMessage() and "for the bank" in record.getMessage()
+
+
+# --- what a party writes is its own ----------------------------------------------------------------
+
+
+def test_every_file_a_party_writes_is_0600_and_every_folder_0700(pki, bank_full, tmp_path, start_partner,
+                                                                 start_bank) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False)
+    partner = start_partner(paths["partner"], min_intersection=20)
+    bank = start_bank(paths["bank"], {"partner": partner.url})
+    with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
+        op.wait(op.start_alignment())
+        result = op.wait(op.start_training(TrainingConfig(epochs=1, batch_size=256)))
+        frame = pd.read_csv(paths["bank"], dtype=str).drop(columns=["y"]).head(50)
+        op.wait(op.start_scoring(result["session"], frame.to_csv(index=False).encode(), True))
+    run = Path(result["run_dir"])
+    assert {"history.csv", "test_predictions.csv", "split.csv", "calibration.csv", "unaligned_split.csv"} <= {
+        p.name for p in run.iterdir()}
+    assert list((run / "model" / "subsets").rglob("*.*"))
+    written = [p for state in ("state-bank", "state-partner") for p in (tmp_path / state).rglob("*")]
+    assert any(p.name == "scores.csv" for p in written)
+    wrong = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written
+             if p.stat().st_mode & 0o777 != (0o700 if p.is_dir() else 0o600)}
+    assert not wrong
+    for state in ("state-bank", "state-partner"):
+        assert (tmp_path / state).stat().st_mode & 0o777 == 0o700
+
+
+def test_a_service_log_is_private_even_if_it_existed(tmp_path) -> None:
+    log = tmp_path / "logs" / "partner.log"
+    log.parent.mkdir()
+    log.write_text("before\n")
+    log.chmod(0o644)
+    with open_private_log(log) as f:
+        f.write(b"after\n")
+    assert log.stat().st_mode & 0o777 == 0o600 and log.read_text() == "before\nafter\n"
+    private_dir(tmp_path / "a" / "b" / "c")
+    assert all((tmp_path / p).stat().st_mode & 0o777 == 0o700 for p in ("a", "a/b", "a/b/c"))
