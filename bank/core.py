@@ -277,7 +277,7 @@ class BankCore:
                                      allow_missing=allow_missing, progress=progress)
         scores = result.table
         out = upload.with_name("scores.csv")
-        scores.to_csv(out, index=False)
+        atomic_write_text(out, scores.to_csv(index=False))  # 0600, like every file of the bank's
         scored = int(scores["status"].str.startswith("scored").sum())
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
                 "unscorable": len(scores) - scored, "scored_without": result.scored_without,

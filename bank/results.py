@@ -21,13 +21,18 @@ from bank.manifest import Manifest, PartyEntry, write_manifest
 from bank.subsets import SubsetModels
 from bank.task import Task
 from bank.trainer import TrainingOutcome
-from parties.files import atomic_write_bytes, atomic_write_text
+from parties.files import atomic_write_bytes, atomic_write_text, private_dir
 
 __all__ = ["write_run"]
 
 
 def _json(path: Path, value: Any) -> None:
     atomic_write_text(path, json.dumps(value, indent=2, default=str) + "\n")
+
+
+def _csv(path: Path, frame: pd.DataFrame) -> None:
+    """A table through the atomic writer: whole, and 0600 like every file of the run (pandas writes 0644)."""
+    atomic_write_text(path, frame.to_csv(index=False))
 
 
 def write_run(
@@ -45,9 +50,9 @@ def write_run(
     subsets: SubsetModels | None = None,
 ) -> dict[str, Any]:
     """Write the run folder; return the metrics document."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)
     _json(run_dir / "config.json", {"session": outcome.session_id, "alignment_id": alignment_id, **config.model_dump()})
-    pd.DataFrame(outcome.history).to_csv(run_dir / "history.csv", index=False)
+    _csv(run_dir / "history.csv", pd.DataFrame(outcome.history))
     test = outcome.split.test
     predictions = pd.DataFrame({"position": test, "target": targets[torch.from_numpy(test)].numpy()})
     scores = outcome.test_scores
@@ -56,14 +61,14 @@ def write_run(
     else:
         for i, c in enumerate(task.classes_):
             predictions[f"score_{c}"] = scores[:, i]
-    predictions.to_csv(run_dir / "test_predictions.csv", index=False)
+    _csv(run_dir / "test_predictions.csv", predictions)
     splits = {"train": outcome.split.train, "val": outcome.split.val, "test": outcome.split.test}
     split = pd.DataFrame(
         {"position": np.concatenate(list(splits.values())),
          "split": np.concatenate([[k] * len(v) for k, v in splits.items()])}
     ).sort_values("position")
     split.insert(1, "bank_row", bank_rows[split["position"].to_numpy()])  # row in the bank's own file
-    split.to_csv(run_dir / "split.csv", index=False)
+    _csv(run_dir / "split.csv", split)
     if outcome.audit is not None:
         for name, tensors in outcome.audit.tensors().items():
             atomic_write_bytes(run_dir / "audit" / f"{name}.safetensors", save_tensors(tensors))
@@ -84,12 +89,12 @@ def write_run(
     if subsets is not None and subsets.unaligned is not None:  # which unaligned customers trained, which judged
         unaligned = subsets.unaligned
         parts = {k: unaligned.rows[getattr(unaligned.split, k)] for k in ("train", "val", "test")}
-        pd.DataFrame({"bank_row": np.concatenate(list(parts.values())),
-                      "split": np.concatenate([[k] * len(v) for k, v in parts.items()])}
-                     ).sort_values("bank_row").to_csv(run_dir / "unaligned_split.csv", index=False)
+        _csv(run_dir / "unaligned_split.csv",
+             pd.DataFrame({"bank_row": np.concatenate(list(parts.values())),
+                           "split": np.concatenate([[k] * len(v) for k, v in parts.items()])}).sort_values("bank_row"))
     if subsets is not None and not subsets.calibration.empty:
         columns = ["subset", "held_out", "bin", "rows", "mean_score", "observed_rate"]
-        subsets.calibration[columns].to_csv(run_dir / "calibration.csv", index=False)
+        _csv(run_dir / "calibration.csv", subsets.calibration[columns])
     party_files = {**party_files, "bank-top": top_digest}
     metrics = {
         "session": outcome.session_id,

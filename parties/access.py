@@ -12,7 +12,12 @@ from parties.protocol import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.tls import ROLES, PeerIdentity, peer_identity
 
-__all__ = ["check_declared_length", "ensure_role", "identify", "read_limited"]
+__all__ = ["CLOSING_STATUSES", "check_declared_length", "ensure_role", "identify", "read_limited"]
+
+#: Refusals after which the connection closes: a caller who may not call, or a body over the limit.
+#: Keeping the connection would mean reading (and dropping) the rest of the body, however large:
+#: uvicorn drained 5.6 GB from one client in 8 s after answering 413.
+CLOSING_STATUSES = frozenset({403, 413})
 
 
 def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentity:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from parties.access import ensure_role, identify, read_limited
+from parties.access import CLOSING_STATUSES, ensure_role, identify, read_limited
 from parties.errors import CutlayerError, Forbidden
 from parties.hotpath import HotPath, HotRoute
 from parties.protocol import Identity
@@ -71,7 +71,9 @@ class PartyApp(FastAPI):
 
 
 def _error(status: int, kind: str, detail: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": kind, "detail": detail})
+    # ``connection: close`` makes uvicorn close the connection once answered, instead of reading on.
+    headers = {"connection": "close"} if status in CLOSING_STATUSES else None
+    return JSONResponse(status_code=status, content={"error": kind, "detail": detail}, headers=headers)
 
 
 def create_party_app(
@@ -88,7 +90,11 @@ def create_party_app(
 
     @app.exception_handler(CutlayerError)
     async def _domain_error(request: Request, exc: CutlayerError) -> JSONResponse:
-        logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
+        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
+            peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+            logger.warning("%s %s from %s refused: %s", request.method, request.url.path, peer, exc)
+        else:
+            logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
         return _error(exc.status_code, type(exc).__name__, str(exc))
 
     @app.exception_handler(RequestValidationError)

@@ -33,9 +33,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
-from parties.errors import DataError, StorageError
+from parties.errors import BadMessage, DataError, StorageError
 from parties.files import atomic_write_bytes
-from parties.wire import serialize
+from parties.wire import check_nesting, serialize
 
 __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
            "remove_checkpoints", "unflatten_optimizer", "write_checkpoint"]
@@ -216,9 +216,10 @@ def read_checkpoint(folder: Path, step: int) -> Checkpoint:
         blob = path.read_bytes()
         tensors = load_tensors(blob)
         header_len = int.from_bytes(blob[:8], "little")
+        check_nesting(blob[8 : 8 + header_len])  # a corrupt file must not end in RecursionError
         meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["cutlayer"])
     except FileNotFoundError as exc:
         raise DataError(f"{path}: no checkpoint at step {step}") from exc
-    except (SafetensorError, ValueError, KeyError) as exc:
+    except (SafetensorError, ValueError, KeyError, BadMessage) as exc:
         raise DataError(f"{path}: not a readable checkpoint ({exc})") from exc
     return Checkpoint(step, tensors, meta)

@@ -109,7 +109,8 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, default=None, help="this party's certificate (PEM)")
     parser.add_argument("--tls-key", type=Path, default=None, help="this party's private key (PEM)")
     parser.add_argument("--insecure", action="store_true", default=None,
-                        help="plain HTTP, no certificates: development on one machine only")
+                        help="plain HTTP, no certificates, on a loopback address only: development on one machine "
+                             "(the command line only; the environment cannot turn TLS off)")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where this party keeps caches, checkpoints and models (default ./cutlayer-state/NAME)")
     parser.add_argument("--workers", type=int, default=None, help="PSI worker processes (default: every core)")

@@ -29,7 +29,7 @@ from typing import Any
 from starlette.datastructures import State
 from starlette.routing import compile_path
 
-from parties.access import check_declared_length, ensure_role, identify
+from parties.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify
 from parties.errors import CutlayerError, PayloadTooLarge
 from parties.settings import ServiceSettings
 from parties.tls import PeerIdentity
@@ -68,14 +68,22 @@ class HotResponse:
         except Exception:
             logger.exception("after answering %s %s", scope["method"], scope["path"])
 
+    @property
+    def closes(self) -> bool:
+        """Whether the connection closes after this answer (``parties.access.CLOSING_STATUSES``)."""
+        return self.status in CLOSING_STATUSES
+
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
+        headers = [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
+        if self.closes:
+            headers.append((b"connection", b"close"))
+        return headers
 
     def http(self, extra: Sequence[tuple[bytes, bytes]] = (), *, close: bool = False) -> bytes:
         """The whole HTTP/1.1 response, head and body, to write at once."""
         lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, HTTPStatus(self.status).phrase.encode("latin-1"))]
         lines += [b"%s: %s\r\n" % kv for kv in (*extra, *self.headers())]
-        if close:
+        if close and not self.closes:
             lines.append(b"connection: close\r\n")
         lines.append(b"\r\n")
         return b"".join([*lines, self.body])
@@ -147,7 +155,12 @@ class HotExchange:
         return self.answer
 
     def _refusal(self, exc: CutlayerError) -> HotResponse:
-        logger.info("%s %s refused: %s", self.scope["method"], self.scope["path"], type(exc).__name__)
+        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
+            client = self.scope.get("client")
+            peer = f"{client[0]}:{client[1]}" if client else "?"
+            logger.warning("%s %s from %s refused: %s", self.scope["method"], self.scope["path"], peer, exc)
+        else:
+            logger.info("%s %s refused: %s", self.scope["method"], self.scope["path"], type(exc).__name__)
         return _error(exc.status_code, type(exc).__name__, str(exc))
 
 

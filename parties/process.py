@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from parties.errors import PeerError
+from parties.files import open_private_log
 
 __all__ = ["ServiceProcess"]
 
@@ -21,8 +22,7 @@ class ServiceProcess:
     def __init__(self, module: str, args: list[str], ready_file: Path, log_file: Path, cwd: Path | None = None) -> None:
         self.module, self.ready_file, self.log_file = module, Path(ready_file), Path(log_file)
         self.ready_file.unlink(missing_ok=True)
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_file.open("ab")
+        self._log = open_private_log(self.log_file)  # a service's log says what it did: its party's alone
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "serve", *args, "--ready-file", str(self.ready_file)],
             stdout=self._log,

@@ -4,7 +4,10 @@ uvicorn does not put the client certificate into the request scope, so the
 HTTP protocol class is extended to add it as ``scope["extensions"]["tls"]``;
 ``parties.app`` reads the caller's name and role from there. The same class
 answers the app's hot routes (``parties.hotpath``) straight from the HTTP
-parser's callbacks, head and body in one write, without an ASGI task.
+parser's callbacks, head and body in one write, without an ASGI task, and
+cuts off a client whose request head or body trickles in past its time
+(uvicorn bounds only the idle time between requests). The TLS handshake
+comes before it, in ``parties.edges``, so refused handshakes are logged.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
+import os
 import signal
 import socket
-import ssl
 import threading
 import urllib.parse
 from collections.abc import Coroutine, Iterator
@@ -27,10 +31,11 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from parties.edges import Timeouts, peer_address, tls_front
 from parties.errors import ConfigError
 from parties.files import atomic_write_text
 from parties.hotpath import HotExchange, HotPath
-from parties.tls import TLSFiles, peer_identity
+from parties.tls import TLSFiles, is_loopback, peer_identity, server_ssl_context
 
 __all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
 
@@ -97,8 +102,14 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     busy_poll = True  # after answering a step, poll for the next (``_BusyPoll``)
 
+    def __init__(self, *args: Any, timeouts: Timeouts | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timeouts = timeouts or Timeouts()
+        self._deadline: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._arm("header")  # the first request's head is due within the header timeout
         # uvicorn writes a response's head and body separately; without TCP_NODELAY the body
         # waits for the client's delayed ACK (~40 ms) on every kept-alive request.
         sock = transport.get_extra_info("socket")
@@ -108,6 +119,9 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         peercert = ssl_object.getpeercert() if ssl_object is not None else None
         # Read the certificate's name and role once per connection, not once per request.
         tls = {"peercert": peercert, "identity": peer_identity(peercert)}
+        if peercert and tls["identity"] is None:  # from our CA, yet no party: every request will be refused
+            logger.warning("TLS connection from %s: its certificate names no Cutlayer party and role (%s)",
+                           peer_address(transport), peercert.get("subject"))
         inner = self.app
         hot = getattr(inner, "hot", None)
         self._hot: HotPath | None = hot if isinstance(hot, HotPath) else None
@@ -122,11 +136,44 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._poll.cancel()
+        self._disarm()
         super().connection_lost(exc)
+
+    # --- how long a request may take to arrive --------------------------------------------
+
+    def _arm(self, phase: str) -> None:
+        self._disarm()
+        seconds = self._timeouts.header if phase == "header" else self._timeouts.body
+        self._deadline = self.loop.call_later(seconds, self._expired, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, phase: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if phase == "body" and self.flow.read_paused:  # the app is slow to read it, not the client to send it
+            self._arm(phase)
+            return
+        seconds = self._timeouts.header if phase == "header" else self._timeouts.body
+        logger.warning("closing the connection from %s: a request's %s took longer than %gs to arrive",
+                       peer_address(self.transport), phase, seconds)
+        if self.cycle is None or self.cycle.response_complete:  # nobody else is answering: say why
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:  # the first request's clock runs from the connection
+            self._arm("header")
 
     # --- hot routes, from the parser's callbacks ------------------------------------------
 
     def on_headers_complete(self) -> None:
+        self._arm("body")
         if not self._begin_hot():
             super().on_headers_complete()
 
@@ -149,7 +196,7 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         self.cycle = _HotCycle(exchange, keep_alive)  # type: ignore[assignment]
         if exchange.answer is not None:
-            self._answer_hot()  # refused on its head: answer now; the body is read and dropped
+            self._answer_hot()  # refused on its head: answer now and close; the body is never read
         elif self.expect_100_continue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return True
@@ -165,6 +212,7 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._disarm()
         cycle = self.cycle
         if isinstance(cycle, _HotCycle):
             if not cycle.response_complete:
@@ -177,6 +225,7 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         assert isinstance(cycle, _HotCycle)
         response = cycle.exchange.finish()
         cycle.response_complete = True
+        cycle.keep_alive = cycle.keep_alive and not response.closes  # a refused body is not read on
         if not self.transport.is_closing():
             self.transport.write(response.http(self.server_state.default_headers, close=not cycle.keep_alive))
             if not cycle.keep_alive:
@@ -239,37 +288,55 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _timeouts_of(app: Any) -> Timeouts:
+    """The party's own header and body timeouts (its settings), else the defaults."""
+    settings = getattr(getattr(app, "state", None), "settings", None)
+    if settings is None:
+        return Timeouts()
+    return Timeouts(header=settings.header_timeout, body=settings.body_timeout)
+
+
 def build_server(
-    app: Any, tls: TLSFiles | None, *, log_level: str = "warning", own_process: bool = True
+    app: Any, tls: TLSFiles | None, *, log_level: str = "warning", own_process: bool = True,
+    timeouts: Timeouts | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``tls=None`` serves plain HTTP (the caller warns about it).
 
     ``own_process=False``: the server shares its process (and the GIL) with other work, so its event
-    loop never busy-polls."""
-    kwargs: dict[str, Any] = {}
+    loop never busy-polls. ``timeouts``: default, the app's settings' ``header_timeout``/``body_timeout``.
+    TLS is not uvicorn's: ``parties.edges`` does each handshake, so a refused one is logged."""
+    timeouts = timeouts or _timeouts_of(app)
+    protocol = functools.partial(PeerCertHTTPProtocol if own_process else _ThreadHTTPProtocol, timeouts=timeouts)
     if tls is not None:
         tls.check()
-        kwargs = {
-            "ssl_certfile": str(tls.cert),
-            "ssl_keyfile": str(tls.key),
-            "ssl_ca_certs": str(tls.ca),
-            "ssl_cert_reqs": ssl.CERT_REQUIRED,
-        }
+        protocol = tls_front(protocol, server_ssl_context(tls), timeouts.header)  # type: ignore[assignment]
     config = uvicorn.Config(
         app,
-        http=PeerCertHTTPProtocol if own_process else _ThreadHTTPProtocol,
+        http=protocol,  # type: ignore[arg-type]
         log_level=log_level,
         log_config=None,  # the entry point configures logging
         access_log=False,  # access lines carry URLs and peers; our own logs say what matters
         proxy_headers=False,  # parties talk directly over mutual TLS; never trust X-Forwarded-* headers
         timeout_graceful_shutdown=5,
-        **kwargs,
     )
     return _Server(config)
 
 
+def _plain_http_on_loopback_only(tls: TLSFiles | None, host: str) -> None:
+    """Plain HTTP (``--insecure``) listens on loopback only, and says so loudly at start."""
+    if tls is not None:
+        return
+    if not is_loopback(host):
+        raise ConfigError(f"--insecure serves plain HTTP: it listens on a loopback address only, not {host}")
+    logger.warning("INSECURE: serving plain HTTP on %s without certificates (--insecure); callers are not "
+                   "authenticated and traffic is not encrypted. Development on one machine only.", host)
+
+
 def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ...}`` to ``ready_file``."""
+    _plain_http_on_loopback_only(tls, host)
+    # What the service writes (state, runs, logs) is its party's alone, also where a library writes it.
+    os.umask(0o077)
     sock = bind_socket(host, port)
     server = build_server(app, tls, log_level="info")
     scheme = "https" if tls is not None else "http"
@@ -306,6 +373,7 @@ class ServerThread:
 
     def __init__(self, app: Any, tls: TLSFiles | None, host: str = "127.0.0.1") -> None:
         self.app = app
+        _plain_http_on_loopback_only(tls, host)
         self.sock = bind_socket(host, 0)
         self.server = build_server(app, tls, own_process=False)
         scheme = "https" if tls is not None else "http"

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from parties.dataset import PartyTable, load_party_table
 from parties.errors import ConfigError
 from parties.model import BottomConfig
 from parties.hijack import MonitorConfig
 from parties.privacy import PrivacyConfig
-from parties.tls import Role, TLSFiles
+from parties.tls import Role, TLSFiles, is_loopback
 
 __all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
 
@@ -46,6 +47,8 @@ class ServiceSettings(BaseSettings):
     workers: int | None = Field(None, ge=1)
     min_intersection: int = Field(1, ge=1)
     max_body_bytes: int = Field(64 << 20, ge=1024)
+    header_timeout: float = Field(30.0, gt=0, description="seconds for a client's TLS handshake and request head")
+    body_timeout: float = Field(60.0, gt=0, description="seconds for a request's body to arrive, once its head has")
     ready_file: Path | None = None
     torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
     cpus: tuple[int, ...] | None = Field(
@@ -57,10 +60,40 @@ class ServiceSettings(BaseSettings):
         "default: 2 for a service given CPUs of its own (cpus), else 0",
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[Callable[[], dict[str, object]], ...]:
+        """Every setting reads the environment, except ``insecure``: only a flag may turn TLS off.
+
+        A stray ``CUTLAYER_PARTNER_INSECURE=1`` in a shell once served plain HTTP
+        despite an explicit ``--tls-dir``; ``load_settings`` refuses such a variable
+        with a reason instead of honouring or silently dropping it.
+        """
+
+        def without_insecure(source: PydanticBaseSettingsSource) -> Callable[[], dict[str, object]]:
+            def read() -> dict[str, object]:
+                return {k: v for k, v in source().items() if k != "insecure"}
+
+            read.__name__ = type(source).__name__
+            return read
+
+        return init_settings, without_insecure(env_settings), without_insecure(dotenv_settings), file_secret_settings
+
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:
         if not self.insecure:
             self.tls_files()
+        elif not is_loopback(self.host):
+            raise ValueError(
+                f"--insecure serves plain HTTP to anyone who connects: it listens on a loopback address only "
+                f"(127.0.0.1, ::1 or localhost), not {self.host}; use TLS (--tls-dir) to listen on a network"
+            )
         return self
 
     def tls_files(self) -> TLSFiles | None:
@@ -209,8 +242,46 @@ def _flag(loc: tuple[int | str, ...]) -> str:
     return "--" + dotted.replace("_", "-")
 
 
+_TLS_FLAGS = {"tls_dir": "--tls-dir", "tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key"}
+_TRUE = {"1", "true", "t", "yes", "y", "on"}
+
+
+def _insecure_variable(cls: type[ServiceSettings]) -> str | None:
+    """The ``<PREFIX>INSECURE`` environment variable, if it is set to a true value."""
+    wanted = f"{cls.model_config.get('env_prefix', '')}INSECURE".upper()
+    return next((k for k, v in os.environ.items() if k.upper() == wanted and v.strip().lower() in _TRUE), None)
+
+
+def _check_transport_flags(cls: type[ServiceSettings], values: dict[str, object]) -> None:
+    """The command line decides between TLS and plain HTTP; the environment never turns TLS off.
+
+    ``--insecure`` with a TLS flag is a contradiction and refused. An
+    ``...INSECURE`` variable is ignored (with a warning) beside an explicit TLS
+    flag, and refused without one: a service must not start in plain HTTP, nor
+    in a mode its operator did not expect, because of a variable left in a shell.
+    """
+    given = [flag for field, flag in _TLS_FLAGS.items() if values.get(field) is not None]
+    if values.get("insecure"):
+        if given:
+            raise ConfigError(f"--insecure turns TLS off and {', '.join(given)} turns it on: give one or the other")
+        return
+    variable = _insecure_variable(cls)
+    if variable is None:
+        return
+    if given:
+        logger.warning("%s is ignored: %s on the command line serves TLS (plain HTTP needs --insecure on the "
+                       "command line)", variable, ", ".join(given))
+        return
+    raise ConfigError(f"{variable} is set, but the environment cannot turn TLS off: give --insecure on the command "
+                      f"line for plain HTTP, or --tls-dir for TLS, and unset {variable}")
+
+
 def load_settings(cls: type[ServiceSettings], **values: object) -> ServiceSettings:
-    """Build settings from flags (``None`` means: not given, use the environment or the default)."""
+    """Build settings from flags (``None`` means: not given, use the environment or the default).
+
+    Whether TLS is on is decided by the flags alone (``_check_transport_flags``).
+    """
+    _check_transport_flags(cls, values)
     try:
         return cls(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:

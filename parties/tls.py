@@ -32,6 +32,7 @@ __all__ = [
     "TLSFiles",
     "client_ssl_context",
     "handshake_failure",
+    "is_loopback",
     "peer_identity",
     "server_ssl_context",
     "write_dev_pki",
@@ -40,6 +41,16 @@ __all__ = [
 Role = Literal["bank", "partner"]
 ROLES: tuple[str, ...] = get_args(Role)
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

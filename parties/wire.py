@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -25,10 +26,14 @@ from safetensors.torch import save as _save
 from parties.errors import BadMessage
 from parties.protocol import SCHEMA_VERSION
 
-__all__ = ["SAFETENSORS", "WireMessage", "all_finite", "decode", "encode", "serialize"]
+__all__ = ["SAFETENSORS", "WireMessage", "all_finite", "check_nesting", "decode", "encode", "serialize"]
 
 SAFETENSORS = "application/vnd.cutlayer.safetensors"
 _MAX_HEADER = 1 << 16
+#: A safetensors header nests three deep (header, tensor, shape); anything far deeper is an attack.
+MAX_HEADER_DEPTH = 8
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,26 @@ def serialize(tensors: dict[str, torch.Tensor], strings: dict[str, str]) -> byte
     return b"".join([struct.pack("<Q", len(head)), head, *data])
 
 
+def check_nesting(header: bytes, limit: int = MAX_HEADER_DEPTH) -> None:
+    """Refuse a JSON header nested deeper than ``limit``, before any recursive parser sees it.
+
+    ``json.loads`` recurses once per level: 30,000 brackets in a 60 KB header
+    end in ``RecursionError`` (an HTTP 500), not a refusal. Counting brackets
+    outside strings needs no recursion, and a header with few brackets (every
+    real one) skips even that.
+    """
+    if header.count(b"[") + header.count(b"{") <= limit:
+        return
+    depth = 0
+    for match in _BRACKET.finditer(_STRING.sub(b"", header)):
+        if match.group() in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                raise BadMessage(f"the message header nests deeper than {limit} levels")
+        else:
+            depth -= 1
+
+
 def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool = True) -> WireMessage:
     """Parse a body, accepting only the named tensors with their dtypes; check the schema version.
 
@@ -110,8 +135,10 @@ def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool =
     (header_len,) = struct.unpack("<Q", body[:8])
     if header_len > _MAX_HEADER or 8 + header_len > len(body):
         raise BadMessage("the message header is too large or truncated")
+    raw = body[8 : 8 + header_len]
+    check_nesting(raw)
     try:
-        header = json.loads(body[8 : 8 + header_len])
+        header = json.loads(raw)
         tensors = _load(body)
     except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
         raise BadMessage(f"the body is not a valid safetensors message ({exc})") from exc

@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     assert isinstance(settings, PartnerSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)
-    if settings.insecure:
-        logger.warning("--insecure: plain HTTP, no certificates; callers are not authenticated. Never use across organisations.")
     table = settings.load_table()
     start_fork_server(settings.workers)
     serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)

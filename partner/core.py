@@ -32,6 +32,7 @@ from parties.protocol import (
 from parties.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.session import PartySession
 from parties.dataset import load_alignment, save_alignment
+from parties.files import atomic_write_text
 from parties.settings import PartnerSettings
 
 __all__ = ["PartnerCore"]
@@ -252,8 +253,7 @@ class PartnerCore:
             session.close()
         if finished:
             if folder.is_dir() or session is not None:
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / ENDED).write_text("")
+                atomic_write_text(folder / ENDED, "")  # 0600 in a 0700 folder, like every file of the party's
                 remove_checkpoints(folder)
             logger.info("training session %s ended", session_id)
         elif session is not None:

@@ -1,0 +1,132 @@
+"""A connection's edges, before HTTP: the TLS handshake and how long a request may take to arrive.
+
+uvicorn hands TLS to the event loop's server, and the loop drops a refused
+handshake silently (asyncio logs it only in debug mode): an operator never
+learns that a stranger, or a partner with last year's certificate, knocked.
+``TLSHandshake`` runs the handshake itself with the public ``loop.start_tls``,
+logs a refusal with the peer's address and the reason, and hands a completed
+connection to the HTTP protocol. The handshake is bounded by the header
+timeout, like the request head that follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TLSHandshake", "Timeouts", "handshake_refusal", "peer_address", "tls_front"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds a client has for the TLS handshake and a request's head (``header``), and for its body."""
+
+    header: float = 30.0
+    body: float = 60.0
+
+
+def peer_address(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "an unknown peer"
+
+
+def handshake_refusal(exc: BaseException) -> str:
+    """Why this server refused a client's handshake, in an operator's words."""
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "the handshake did not finish in time"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"its certificate is not from this partnership's CA ({exc.verify_message or exc.reason})"
+    if isinstance(exc, ssl.SSLError):
+        reason = (exc.reason or "").upper()
+        if "CERTIFICATE_VERIFY_FAILED" in reason:
+            return f"its certificate is not from this partnership's CA ({exc.reason})"
+        if "PEER_DID_NOT_RETURN_A_CERTIFICATE" in reason or "NO_CERTIFICATE" in reason:
+            return f"it presented no client certificate ({exc.reason})"
+        if "HTTP_REQUEST" in reason or "WRONG_VERSION_NUMBER" in reason:
+            return f"it does not speak TLS (plain HTTP to an HTTPS service?) ({exc.reason})"
+        if "ALERT" in reason:
+            return f"it refused this server's certificate ({exc.reason})"
+        return f"TLS error {exc.reason or exc}"
+    if isinstance(exc, (ConnectionError, EOFError)):
+        return f"it went away during the handshake ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class TLSHandshake(asyncio.Protocol):
+    """Completes a server-side TLS handshake, then gives the connection to ``protocol()``.
+
+    Until the handshake is done, nothing is read for HTTP; once it is, the HTTP
+    protocol sees a TLS transport exactly as if the server had done TLS itself.
+    uvloop starts reading right after ``connection_made`` even if it paused, so
+    a fast client's hello can arrive before ``start_tls`` takes the transport
+    over: it is kept and handed to the TLS protocol, through its own
+    ``BufferedProtocol`` interface, before that protocol starts.
+    """
+
+    def __init__(self, protocol: Callable[[], asyncio.Protocol], context: ssl.SSLContext, timeout: float) -> None:
+        self._protocol, self._context, self._timeout = protocol, context, timeout
+        self._task: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._transport = transport
+        transport.pause_reading()
+        self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+
+    def data_received(self, data: bytes) -> None:  # only before start_tls took the transport over
+        self._early.append(data)
+        self._transport.pause_reading()
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        peer = peer_address(transport)
+        protocol = self._protocol()
+        loop = asyncio.get_running_loop()
+        # Runs after start_tls has made its TLS protocol the transport's, before that protocol starts.
+        loop.call_soon(self._replay, transport)
+        try:
+            secure = await loop.start_tls(
+                transport, protocol, self._context, server_side=True, ssl_handshake_timeout=self._timeout
+            )
+        except (OSError, asyncio.TimeoutError, EOFError, RuntimeError) as exc:  # RuntimeError: closed meanwhile
+            logger.warning("refused a TLS connection from %s: %s", peer, handshake_refusal(exc))
+            transport.close()
+            return
+        if secure is None:  # only for a transport closed meanwhile
+            transport.close()
+            return
+        protocol.connection_made(secure)
+
+    def _replay(self, transport: asyncio.Transport) -> None:
+        early, self._early = self._early, []
+        if early:
+            logger.debug("replaying %d early bytes into the TLS handshake", sum(map(len, early)))
+        tls = transport.get_protocol()
+        for data in early:
+            if not hasattr(tls, "buffer_updated"):
+                tls.data_received(data)
+                continue
+            while data:  # the protocol's buffer may be smaller than the data
+                view = memoryview(tls.get_buffer(len(data)))
+                part, data = data[: len(view)], data[len(view) :]
+                view[: len(part)] = part
+                tls.buffer_updated(len(part))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Only before the handshake began: start_tls makes its own protocol the transport's.
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+def tls_front(protocol: Callable[..., asyncio.Protocol], context: ssl.SSLContext, timeout: float) -> Callable[..., Any]:
+    """A protocol factory for uvicorn: each connection's handshake first, then ``protocol(**kwargs)``."""
+
+    def factory(**kwargs: Any) -> TLSHandshake:
+        return TLSHandshake(lambda: protocol(**kwargs), context, timeout)
+
+    return factory
