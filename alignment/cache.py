@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import curve
 from alignment.parallel import WorkerPool
-from parties.files import atomic_write_bytes
+from parties.files import atomic_write_bytes, private_dir
 
 __all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
 
@@ -53,7 +53,7 @@ _LABEL = b"cutlayer-psi-cache-v2"
 def cache_key(cache_dir: Path) -> bytes:
     """The party's secret cache key from ``cache_dir``, created (0600) on first use."""
     path = Path(cache_dir) / KEY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     if not path.exists():
         # Write the key in full under a temporary name (mkstemp: 0600), then link it in: a
         # second process starting at the same time keeps whichever key landed first.

@@ -133,6 +133,12 @@ class WorkerPool:
             except FuturesTimeout:
                 continue
 
+    def start(self) -> None:
+        """Start the worker processes now, so the first session does not wait for them (a no-op inline)."""
+        if self.parallel:
+            for future in [self._pool().submit(os.getpid) for _ in range(self.workers)]:
+                future.result()
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)

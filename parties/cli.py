@@ -115,7 +115,8 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where this party keeps caches, checkpoints and models (default ./cutlayer-state/NAME)")
     parser.add_argument("--workers", type=int, default=None, help="PSI worker processes (default: every core)")
     parser.add_argument("--min-intersection", type=int, default=None,
-                        help=f"refuse smaller intersections (default {default_of(S, 'min_intersection')})")
+                        help=f"commit policy: refuse to keep fewer aligned rows (default {default_of(S, 'min_intersection')}); "
+                             "not a privacy control: the PSI budgets are (see the README)")
     parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
     parser.add_argument("--torch-threads", type=int, default=None,
                         help=f"intra-op threads for the model (default {default_of(S, 'torch_threads')})")

@@ -1,4 +1,4 @@
-"""A connection's edges, before HTTP: the TLS handshake and how long a request may take to arrive.
+"""A connection's edges, before HTTP: the listening socket, the TLS handshake, how long a request may take.
 
 uvicorn hands TLS to the event loop's server, and the loop drops a refused
 handshake silently (asyncio logs it only in debug mode): an operator never
@@ -12,13 +12,17 @@ timeout, like the request head that follows it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TLSHandshake", "Timeouts", "handshake_refusal", "peer_address", "tls_front"]
+from parties.errors import ConfigError
+
+__all__ = ["TLSHandshake", "Timeouts", "bind_socket", "handshake_refusal", "peer_address", "tls_front"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +134,32 @@ def tls_front(protocol: Callable[..., asyncio.Protocol], context: ssl.SSLContext
         return TLSHandshake(lambda: protocol(**kwargs), context, timeout)
 
     return factory
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening-ready socket; port 0 lets the OS pick a free one.
+
+    A port that is taken, an address not on this machine or a port that needs
+    privileges is a :class:`ConfigError` that says which flag to change.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(_bind_failure(host, port, exc)) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: port {port} is already in use; choose another with --port (--port 0 takes any free port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine; check --host"
+    if exc.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges; choose another with --port"
+    return f"{where}: {exc.strerror or exc}"

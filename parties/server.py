@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import json
 import logging
@@ -31,7 +30,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from parties.edges import Timeouts, peer_address, tls_front
+from parties.edges import Timeouts, bind_socket, peer_address, tls_front
 from parties.errors import ConfigError
 from parties.files import atomic_write_text
 from parties.hotpath import HotExchange, HotPath
@@ -242,35 +241,6 @@ class _ThreadHTTPProtocol(PeerCertHTTPProtocol):
     that the process's other threads need."""
 
     busy_poll = False
-
-
-def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening-ready socket; port 0 lets the OS pick a free one.
-
-    A port that is taken, an address not on this machine or a port that needs
-    privileges is a :class:`ConfigError` that says which flag to change.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(_bind_failure(host, port, exc)) from exc
-    sock.set_inheritable(True)
-    return sock
-
-
-def _bind_failure(host: str, port: int, exc: OSError) -> str:
-    where = f"cannot listen on {host}:{port}"
-    if exc.errno == errno.EADDRINUSE:
-        return f"{where}: port {port} is already in use; choose another with --port (--port 0 takes any free port)"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"{where}: {host} is not an address of this machine; check --host"
-    if exc.errno == errno.EACCES:
-        return f"{where}: ports below 1024 need privileges; choose another with --port"
-    return f"{where}: {exc.strerror or exc}"
 
 
 class _Server(uvicorn.Server):

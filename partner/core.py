@@ -53,6 +53,7 @@ class PartnerCore:
         self.pool = WorkerPool(settings.workers)
         self.threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="psi")
         self._points: dict[str, Future[bytes]] = {}  # per bank: this table hashed under the partnership's DST
+        self.threads.submit(self.pool.start)  # the first PSI session need not wait for the workers
         self._sessions: dict[str, PsiResponder] = {}
         self.budgets = PsiBudgets(settings.psi_budget)
         self._lock = threading.Lock()

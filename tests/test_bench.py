@@ -15,7 +15,7 @@ def test_bench_reports_the_intersection_and_wire_cost() -> None:
     assert result.intersection == 750 and result.correct
     # 32 + 12 bytes per bank ID, 32 per partner ID (38 on average), 4 per committed row, and HTTP headers.
     assert 38 <= result.bytes_per_id < 45
-    assert 0 < result.cold_floor_seconds < result.cold_seconds and 0 < result.warm_floor_seconds < result.warm_seconds
+    assert result.cold_floor_seconds > result.warm_floor_seconds > 0  # cold adds the hashing
     assert "ratio" in format_result(result)
     assert result.cold_seconds > 0 and result.warm_seconds > 0 and result.x25519_per_second > 0
     assert "bytes on the wire per ID" in format_result(result)

@@ -58,7 +58,7 @@ def test_a_port_in_use_is_named_with_the_way_out(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_a_service_and_its_psi_workers_quietly(tmp_path: Path) -> None:
-    # 10,000 IDs with 2 workers: the partner hashes its set on its worker pool at start-up.
+    # 2 workers: the partner starts its PSI worker pool at start-up.
     data = _partner_csv(tmp_path / "p.csv", 10_000)
     proc, _ = _serve("partner", ["--name", "partner", "--insecure", "--data", str(data), "--workers", "2",
                                  "--state-dir", str(tmp_path / "state")], tmp_path)
