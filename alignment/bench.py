@@ -95,7 +95,7 @@ def _rates(pool: WorkerPool, n: int) -> tuple[float, float]:
     points = pool.hash_to_curve(ids)
     hashing = n / (time.perf_counter() - t)
     t = time.perf_counter()
-    pool.blind(curve.generate_key(), points)
+    pool.blind(curve.generate_key(), points, validate=False)  # the X25519 operation alone
     return n / (time.perf_counter() - t), hashing
 
 
