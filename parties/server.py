@@ -105,9 +105,14 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         super().__init__(*args, **kwargs)
         self._timeouts = timeouts or Timeouts()
         self._deadline: asyncio.TimerHandle | None = None
+        # Here, not in connection_made: a connection refused before it is made (its TLS handshake failed)
+        # is still lost, and connection_lost cancels the poll.
+        self._poll = _BusyPoll()
+        self._made = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._made = True
         self._arm("header")  # the first request's head is due within the header timeout
         # uvicorn writes a response's head and body separately; without TCP_NODELAY the body
         # waits for the client's delayed ACK (~40 ms) on every kept-alive request.
@@ -125,7 +130,6 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         hot = getattr(inner, "hot", None)
         self._hot: HotPath | None = hot if isinstance(hot, HotPath) else None
         self._tls = tls
-        self._poll = _BusyPoll()
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             scope.setdefault("extensions", {})["tls"] = tls
@@ -136,7 +140,8 @@ class PeerCertHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def connection_lost(self, exc: Exception | None) -> None:
         self._poll.cancel()
         self._disarm()
-        super().connection_lost(exc)
+        if self._made:  # uvicorn's protocol has nothing to tear down for a connection it never saw
+            super().connection_lost(exc)
 
     # --- how long a request may take to arrive --------------------------------------------
 
