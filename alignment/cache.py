@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import curve
 from alignment.parallel import WorkerPool
-from parties.files import atomic_write_bytes, private_dir
+from parties.storage.files import atomic_write_bytes, private_dir
 
 __all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
 

@@ -49,6 +49,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
 )
 from nacl.bindings import crypto_core_ed25519_add
 
+from parties.tables.ids import normalize_id  # re-exported: IDs are normalised before hashing
+
 __all__ = [
     "DEFAULT_DST",
     "DST_PREFIX",
@@ -113,11 +115,6 @@ _LOW_ORDER_U = frozenset(
         39382357235489614581723060781553021112529911719440698176882885853963445705823,
     }
 )
-
-
-def normalize_id(raw: object) -> bytes:
-    """The documented normalisation rule: strip surrounding white space, Unicode NFC, UTF-8."""
-    return unicodedata.normalize("NFC", str(raw).strip()).encode("utf-8")
 
 
 def _short_dst(dst: bytes) -> bytes:

@@ -16,8 +16,8 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-from collections.abc import Callable, Sequence
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial

@@ -1,8 +1,6 @@
-"""The label holder: alignment and training coordinator, partner proxies, the bank service."""
+"""The label holder: the training coordinator, its top model, its partners' proxies, the bank service.
 
-from bank.alignment import align_with_partners
-from bank.operator import BankOperator
-from bank.proxy import HttpPartner
-from bank.service import create_app
+Nothing is imported here; ``bank.lab`` holds the simulation and study tooling.
+"""
 
-__all__ = ["BankOperator", "HttpPartner", "align_with_partners", "create_app"]
+__all__: list[str] = []

@@ -15,15 +15,15 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from alignment.parallel import start_fork_server
-from bank.config import TopConfig, TrainingConfig
 from bank.cli import print_scoring, print_summary
+from bank.config import TopConfig, TrainingConfig
 from bank.operator import BankOperator
 from bank.service import create_app
 from bank.walkthrough import WalkthroughConfig, run_walkthrough
 from parties.cli import (
     add_service_arguments,
-    command,
     apply_process_settings,
+    command,
     configure_logging,
     default_of,
     description,
@@ -31,11 +31,12 @@ from parties.cli import (
     service_values,
 )
 from parties.errors import ConfigError
-from parties.model import BottomConfig
-from parties.protocol import AlignmentRequest, JobStatus
-from parties.server import serve
+from parties.learning.model import BottomConfig
+from parties.protocol.messages import AlignmentRequest, JobStatus
 from parties.settings import BankSettings, describe_problems, load_settings
-from parties.tls import TLSFiles
+from parties.storage.files import atomic_write_text
+from parties.transport.server import serve
+from parties.transport.tls import TLSFiles
 
 logger = logging.getLogger("bank")
 
@@ -185,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
     _add_log_level(b)
 
+    pb = command(sub, "psi-bench", "run both PSI roles here over mutual TLS and report time, bytes and rates")
+    pb.add_argument("--size", type=int, default=1 << 16,
+                    help="IDs per party (default %(default)s; the target is 1048576)")
+    pb.add_argument("--overlap", type=float, default=0.5,
+                    help="share of each party's IDs the other also holds (default %(default)s)")
+    pb.add_argument("--seed", type=int, default=0, help="seed of the generated IDs (default %(default)s)")
+    pb.add_argument("--workers", type=int, default=None, help="worker processes per party (default: every core)")
+    pb.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    _add_log_level(pb)
+
     w = command(sub, "walkthrough", "run the bank-marketing walkthrough end to end")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
     w.add_argument("--partners", type=int, default=1,
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
         return 0
     if args.command == "report":
-        from bank.analysis import load_run, write_report
+        from bank.lab.analysis import load_run, write_report
 
         run = load_run(args.run)
         report = write_report(run, references=not args.no_references, partition=args.partition)
@@ -240,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwritten to {run.path / 'analysis'}")
         return 0
     if args.command == "subset-study":
-        from bank.analysis import load_run
-        from bank.subset_study import run_subset_study
+        from bank.lab.analysis import load_run
+        from bank.lab.subset_study import run_subset_study
 
         run = load_run(args.run)
         tables = run_subset_study(run, seeds=args.seeds, partition=args.partition)
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwritten to {run.path / 'analysis'}")
         return 0
     if args.command == "privacy-study":
-        from bank.privacy_study import hijack_rates, run_study
+        from bank.lab.privacy_study import hijack_rates, run_study
 
         table = run_study(args.out, rows=args.rows, epochs=args.epochs, cache=args.cache_dir,
                           progress=lambda name: print(f"... {name}", file=sys.stderr))
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwritten to {args.out}")
         return 0
     if args.command == "bench":
-        from bank.bench import bench_json, format_bench, run_training_bench
+        from bank.lab.bench import bench_json, format_bench, run_training_bench
 
         figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
                                      progress=lambda msg: print(msg, file=sys.stderr, flush=True),
@@ -271,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         print(format_bench(figures))
         if args.json:
             args.json.write_text(bench_json(figures) + "\n")
+        return 0
+    if args.command == "psi-bench":
+        from bank.lab.psi_bench import format_result, run_bench, to_json
+
+        result = run_bench(args.size, args.overlap, args.seed, args.workers)
+        print(format_result(result))
+        if args.json:
+            atomic_write_text(args.json, to_json(result) + "\n")
         return 0
     if args.command == "train" and args.print_config:
         print(_train_config(args).model_dump_json(indent=2))

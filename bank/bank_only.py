@@ -24,11 +24,11 @@ import torch
 from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
 
 from bank.task import Task
-from parties.dataset import FeatureSchema
 from parties.errors import DataError
-from parties.features import Fallbacks, TabularEncoder
-from parties.files import atomic_write_bytes
-from parties.scoring import verify_files
+from parties.learning.trained_bottom import verify_files
+from parties.storage.files import atomic_write_bytes
+from parties.tables.encoding import Fallbacks, TabularEncoder
+from parties.tables.table import FeatureSchema
 
 __all__ = ["BANK_ONLY_FILES", "BankOnlyModel"]
 

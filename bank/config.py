@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bank.aggregation import AggregationName
 from bank.task import TaskKind
-from parties.model import BottomConfig, OptimizerConfig
+from parties.learning.model import BottomConfig, OptimizerConfig
 
 __all__ = ["TopConfig", "TrainingConfig"]
 

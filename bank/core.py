@@ -13,24 +13,24 @@ from typing import Any
 import httpx
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.local import InProcessParty
-from bank.proxy import HttpPartner
+from bank.http_partner import HttpPartner
+from bank.in_process import InProcessParty
 from bank.manifest import read_manifest
 from bank.results import write_run
 from bank.scoring import model_schema, score_customers
 from bank.subsets import train_subset_models
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
-from parties.client import client_for, make_channel
-from parties.dataset import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
 from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
-from parties.files import atomic_write_bytes, atomic_write_text
-from parties.jobs import Job, JobRunner, Progress
-from parties.protocol import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
+from parties.protocol.messages import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.settings import BankSettings
-from parties.tls import PeerIdentity
+from parties.storage.files import atomic_write_bytes, atomic_write_text
+from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
+from parties.transport.client import client_for, make_channel
+from parties.transport.jobs import Job, JobRunner, Progress
+from parties.transport.tls import PeerIdentity
 
 __all__ = ["BankCore"]
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from parties.errors import DataError
-from parties.files import atomic_write_text
+from parties.storage.files import atomic_write_text
 
 __all__ = ["Manifest", "PartyEntry", "SubsetEntry", "read_manifest", "write_manifest"]
 

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 
 from bank.config import TrainingConfig
-from parties.client import make_client
 from parties.errors import CutlayerError, NotAligned, PeerError, PeerUntrusted
-from parties.protocol import AlignmentRequest, JobStatus, SessionList
-from parties.tls import PeerIdentity, TLSFiles, handshake_failure
+from parties.protocol.messages import AlignmentRequest, JobStatus, SessionList
+from parties.transport.client import make_client
+from parties.transport.tls import PeerIdentity, TLSFiles, handshake_failure
 
 __all__ = ["BankOperator"]
 

@@ -1,7 +1,7 @@
 """The party the training coordinator sees: the calls it makes, whatever carries them.
 
-``bank.proxy.HttpPartner`` carries them to a partner's service over mutual TLS;
-``bank.local.InProcessParty`` runs the bank's own bottom model in its process.
+``bank.http_partner.HttpPartner`` carries them to a partner's service over mutual TLS;
+``bank.in_process.InProcessParty`` runs the bank's own bottom model in its process.
 The coordinator knows only this protocol.
 """
 
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from parties.protocol import ModelFiles, PrivacyReport
+from parties.protocol.messages import ModelFiles, PrivacyReport
 
 __all__ = ["TrainingParty"]
 

@@ -17,14 +17,14 @@ import torch
 
 from bank.config import TrainingConfig
 from bank.state import LoopState
-from parties.checkpoint import (
+from parties.errors import ConfigError
+from parties.storage.checkpoint import (
     CheckpointWriter,
     checkpoint_steps,
     flatten_optimizer,
     read_checkpoint,
     unflatten_optimizer,
 )
-from parties.errors import ConfigError
 
 if TYPE_CHECKING:
     from bank.party import TrainingParty

@@ -21,7 +21,7 @@ from bank.manifest import Manifest, PartyEntry, write_manifest
 from bank.subsets import SubsetModels
 from bank.task import Task
 from bank.trainer import TrainingOutcome
-from parties.files import atomic_write_bytes, atomic_write_text, private_dir
+from parties.storage.files import atomic_write_bytes, atomic_write_text, private_dir
 
 __all__ = ["write_run"]
 

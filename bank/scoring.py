@@ -27,18 +27,18 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import partnership_dst, run_initiator
+from alignment.psi import partnership_dst, run_initiator
 from bank.aggregation import Aggregation, get_aggregation
 from bank.bank_only import BankOnlyModel
+from bank.http_partner import HttpPartner
 from bank.manifest import Manifest, SubsetEntry, read_manifest
-from bank.proxy import HttpPartner
 from bank.subsets import head_from_blob, subset_name
 from bank.task import Task
-from parties.dataset import FeatureSchema, PartyTable
 from parties.errors import CutlayerError, DataError, IntersectionTooSmall
-from parties.features import Fallbacks, merge_fallbacks
-from parties.jobs import Progress
-from parties.scoring import ScoringBottom, verify_files
+from parties.learning.trained_bottom import ScoringBottom, verify_files
+from parties.tables.encoding import Fallbacks, merge_fallbacks
+from parties.tables.table import FeatureSchema, PartyTable
+from parties.transport.jobs import Progress
 
 __all__ = ["Scores", "model_schema", "score_customers"]
 

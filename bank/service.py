@@ -11,11 +11,11 @@ from starlette.concurrency import run_in_threadpool
 
 from bank.config import TrainingConfig
 from bank.core import BankCore
-from parties.app import create_party_app, read_body, require_self
-from parties.dataset import PartyTable
 from parties.errors import NotAligned, OutOfOrder
-from parties.protocol import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
+from parties.protocol.messages import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
 from parties.settings import BankSettings
+from parties.tables.table import PartyTable
+from parties.transport.app import create_party_app, read_body, require_self
 
 __all__ = ["create_app"]
 

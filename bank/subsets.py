@@ -38,10 +38,10 @@ from bank.config import TrainingConfig
 from bank.manifest import SubsetEntry
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.task import Task
-from parties.dataset import PartyTable
 from parties.errors import ConfigError, DataError
-from parties.files import atomic_write_bytes
-from parties.model import build_optimizer, mlp
+from parties.learning.model import build_optimizer, mlp
+from parties.storage.files import atomic_write_bytes
+from parties.tables.table import PartyTable
 
 __all__ = ["BankRows", "SubsetModels", "head_from_blob", "partial_subsets", "subset_name", "train_subset_models",
            "unaligned_rows"]

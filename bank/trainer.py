@@ -31,10 +31,10 @@ from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.subsets import partial_subsets
 from bank.task import Task
-from parties import fastops
-from parties.checkpoint import CheckpointWriter
 from parties.errors import Behind, CutlayerError, PeerUnavailable, StorageError, UnknownSession
-from parties.model import build_optimizer, mlp
+from parties.learning import fast_path
+from parties.learning.model import build_optimizer, mlp
+from parties.storage.checkpoint import CheckpointWriter
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
 
@@ -203,7 +203,7 @@ class Coordinator(Recovery):
         self.eval_rows_sent += len(rows)
 
     def _loss(self, top: torch.nn.Module, leaves: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        outputs = fastops.forward(top, self.aggregation.combine(leaves))
+        outputs = fast_path.forward(top, self.aggregation.combine(leaves))
         return self.task.loss(outputs, self.train_targets.index_select(0, rows))
 
     # --- the loop --------------------------------------------------------------------------
@@ -294,10 +294,10 @@ class Coordinator(Recovery):
             nonlocal unsaved
             if deferred:
                 loss, own = deferred.pop()
-                fastops.backward(loss, inputs=[*top_params, own])
+                fast_path.backward(loss, inputs=[*top_params, own])
                 loop.grads[0] = own.grad
-                fastops.optimizer_step(optimizer)
-                fastops.clear_grads(top_params)
+                fast_path.optimizer_step(optimizer)
+                fast_path.clear_grads(top_params)
             if unsaved:
                 self._save(loop, optimizer)
                 unsaved = False
@@ -315,7 +315,7 @@ class Coordinator(Recovery):
                 loss = self._loss(top, leaves, rows)
                 # Only the partners' gradients are on the critical path: compute them alone, send them
                 # with the next step, and finish the backward while the partners work.
-                theirs = fastops.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
+                theirs = fast_path.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
                 deferred.append((loss, leaves[0]))
                 loop.grads = [None] + [
                     perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,

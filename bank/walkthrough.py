@@ -16,10 +16,10 @@ from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from data.uci import locate_bank_full
-from parties.files import atomic_write_text
-from parties.process import ServiceProcess
-from parties.protocol import JobStatus
-from parties.tls import TLSFiles, write_dev_pki
+from parties.protocol.messages import JobStatus
+from parties.storage.files import atomic_write_text
+from parties.transport.process import ServiceProcess
+from parties.transport.tls import TLSFiles, write_dev_pki
 
 __all__ = ["WalkthroughConfig", "run_walkthrough"]
 

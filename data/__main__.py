@@ -10,9 +10,9 @@ from data.partition import PartitionSpec, PartySpec, partition, read_source_csv,
 from data.prepare import prepare_bank_marketing
 from data.uci import BANK_MARKETING_URL, locate_bank_full
 from parties.cli import command, configure_logging, description, run_cli
-from parties.dataset import load_party_table
 from parties.errors import ConfigError
-from parties.schema import PartySchema, sidecar_path
+from parties.tables.schema import PartySchema, sidecar_path
+from parties.tables.table import load_party_table
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:

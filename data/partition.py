@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parties.dataset import PARQUET_SUFFIXES, read_table_text, sniff_separator
-from parties.schema import PartySchema, infer_kinds, sidecar_path
 from parties.errors import ConfigError, DataError
-from parties.files import atomic_write_text
+from parties.storage.files import atomic_write_text
+from parties.tables.schema import PartySchema, infer_kinds, sidecar_path
+from parties.tables.table import PARQUET_SUFFIXES, read_table_text, sniff_separator
 
 __all__ = [
     "BANK_COLUMNS",

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from parties.errors import DatasetUnavailable
-from parties.files import atomic_write_bytes
+from parties.storage.files import atomic_write_bytes
 
 __all__ = [
     "BANK_FULL_SHA256",

@@ -1,22 +1,12 @@
-"""What every party shares: service framework, settings, errors, TLS, protocol messages, data loading."""
+"""What every party shares, in four sub-packages and three small modules.
 
-from parties.app import create_party_app
-from parties.dataset import AlignedRows, FeatureSchema, PartyTable, load_party_table
-from parties.errors import CutlayerError
-from parties.settings import BankSettings, PartnerSettings, ServiceSettings
-from parties.tls import PeerIdentity, TLSFiles, write_dev_pki
+- ``parties.protocol``: the messages parties exchange, one module per exchange, and the wire format.
+- ``parties.transport``: services and clients: the app factory, uvicorn, mutual TLS, the hot path.
+- ``parties.learning``: a party's bottom model in training and in scoring, embedding DP, the hijack monitor.
+- ``parties.tables`` and ``parties.storage``: a party's own table and encoding; files and checkpoints.
+- ``parties.errors`` (no dependencies), ``parties.settings``, ``parties.cli``.
 
-__all__ = [
-    "AlignedRows",
-    "BankSettings",
-    "CutlayerError",
-    "FeatureSchema",
-    "PartnerSettings",
-    "PartyTable",
-    "PeerIdentity",
-    "ServiceSettings",
-    "TLSFiles",
-    "create_party_app",
-    "load_party_table",
-    "write_dev_pki",
-]
+Nothing is imported here: ``import parties.errors`` costs what that module costs, and no more.
+"""
+
+__all__: list[str] = []

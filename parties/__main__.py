@@ -9,7 +9,7 @@ from pathlib import Path
 
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError
-from parties.tls import DEFAULT_HOSTS, write_dev_pki
+from parties.transport.tls import DEFAULT_HOSTS, write_dev_pki
 
 
 def build_parser() -> argparse.ArgumentParser:

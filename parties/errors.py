@@ -26,7 +26,7 @@ The tree::
         ├── PeerUnavailable         no answer at all (refused, reset, timed out): retry
         └── PeerUntrusted           the TLS handshake failed: a certificate not of this partnership
 
-Core code raises these; the app factory (``parties.app``) maps them to HTTP
+Core code raises these; the app factory (``parties.transport.app``) maps them to HTTP
 status codes, and the CLIs print their message and exit non-zero.
 """
 

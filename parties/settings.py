@@ -12,12 +12,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from parties.dataset import PartyTable, load_party_table
 from parties.errors import ConfigError
-from parties.model import BottomConfig
-from parties.hijack import MonitorConfig
-from parties.privacy import PrivacyConfig
-from parties.tls import Role, TLSFiles, is_loopback
+from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.hijack_monitor import MonitorConfig
+from parties.learning.model import BottomConfig
+from parties.tables.table import PartyTable, load_party_table
+from parties.transport.tls import Role, TLSFiles, is_loopback
 
 __all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
 

@@ -9,19 +9,19 @@ import sys
 from alignment.parallel import start_fork_server
 from parties.cli import (
     add_service_arguments,
-    command,
     apply_process_settings,
+    command,
     configure_logging,
     default_of,
     description,
     run_cli,
     service_values,
 )
-from parties.hijack import MonitorConfig
-from parties.model import BottomConfig
-from parties.privacy import PrivacyConfig
-from parties.server import serve
+from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.hijack_monitor import MonitorConfig
+from parties.learning.model import BottomConfig
 from parties.settings import PartnerSettings, load_settings
+from parties.transport.server import serve
 from partner.service import create_app
 
 logger = logging.getLogger("partner")

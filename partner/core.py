@@ -13,13 +13,12 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.session import PROTOCOL_VERSION, PsiResponder, check_minimum, partnership_dst
-from partner.budget import PsiBudgets
-from parties.dataset import AlignedRows, PartyTable
+from alignment.psi import PROTOCOL_VERSION, PsiResponder, check_minimum, partnership_dst
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
-from parties.privacy import EmbeddingDP
-from parties.scoring import ScoringBottom
-from parties.protocol import (
+from parties.learning.embedding_dp import EmbeddingDP
+from parties.learning.trained_bottom import ScoringBottom
+from parties.learning.training_session import PartySession
+from parties.protocol.messages import (
     AlignmentInfo,
     ModelFiles,
     PrivacyReport,
@@ -29,11 +28,12 @@ from parties.protocol import (
     SessionSummary,
     TrainSessionInfo,
 )
-from parties.checkpoint import checkpoint_steps, remove_checkpoints
-from parties.session import PartySession
-from parties.dataset import load_alignment, save_alignment
-from parties.files import atomic_write_text
 from parties.settings import PartnerSettings
+from parties.storage.checkpoint import checkpoint_steps, remove_checkpoints
+from parties.storage.files import atomic_write_text
+from parties.tables.encoding import Fallbacks
+from parties.tables.table import AlignedRows, PartyTable, load_alignment, save_alignment
+from partner.budget import PsiBudgets
 
 __all__ = ["PartnerCore"]
 

@@ -12,11 +12,8 @@ import torch
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from parties.app import create_party_app, read_body, require_role, require_self
-from parties.dataset import PartyTable
 from parties.errors import BadMessage, OutOfOrder
-from parties.hotpath import HotRequest, HotResponse, HotRoute
-from parties.protocol import (
+from parties.protocol.messages import (
     ALIGNMENT_HEADER,
     OCTET_STREAM,
     PURPOSE_HEADER,
@@ -32,9 +29,12 @@ from parties.protocol import (
     SessionList,
     TrainSessionInfo,
 )
+from parties.protocol.wire import SAFETENSORS, WireMessage, decode, encode
 from parties.settings import PartnerSettings
-from parties.tls import PeerIdentity
-from parties.wire import SAFETENSORS, WireMessage, decode, encode
+from parties.tables.table import PartyTable
+from parties.transport.app import create_party_app, read_body, require_role, require_self
+from parties.transport.hot_routes import HotRequest, HotResponse, HotRoute
+from parties.transport.tls import PeerIdentity
 from partner.core import WAIT_SECONDS, PartnerCore
 
 __all__ = ["create_app"]
@@ -147,7 +147,7 @@ async def start_training(
 
 
 def step(request: HotRequest) -> HotResponse:
-    """One training step: a hot route (``parties.hotpath``), run on the event loop."""
+    """One training step: a hot route (``parties.transport.hot_routes``), run on the event loop."""
     c: PartnerCore = request.state.core
     session_id = request.params["session_id"]
     session = c.training(session_id)

@@ -12,9 +12,9 @@ import pytest
 
 from bank.service import create_app as create_bank_app
 from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
-from parties.server import ServerThread
 from parties.settings import BankSettings, PartnerSettings
-from parties.tls import TLSFiles, write_dev_pki
+from parties.transport.server import ServerThread
+from parties.transport.tls import TLSFiles, write_dev_pki
 from partner.service import create_app as create_partner_app
 
 SHARED_COPY = Path(__file__).resolve().parents[2] / "shared" / "data" / BANK_FULL_NAME

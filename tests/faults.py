@@ -33,16 +33,16 @@ if __package__ in (None, ""):  # run as a script: the project's root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bank.config import TrainingConfig
-from bank.local import InProcessParty
-from bank.proxy import HttpPartner
+from bank.http_partner import HttpPartner
+from bank.in_process import InProcessParty
 from bank.task import Task
 from bank.trainer import Coordinator
-from parties.client import make_channel, make_client
-from parties.dataset import load_alignment, load_party_table
-from parties.model import BottomConfig
-from parties.process import ServiceProcess
-from parties.server import bind_socket
-from parties.tls import PeerIdentity, TLSFiles
+from parties.learning.model import BottomConfig
+from parties.tables.table import load_alignment, load_party_table
+from parties.transport.client import make_channel, make_client
+from parties.transport.process import ServiceProcess
+from parties.transport.server import bind_socket
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 Point = Literal["mid_epoch", "last_step", "flush", "validation", "mark_best", "finish", "checkpoint_write", "step"]
 POINTS: tuple[Point, ...] = ("mid_epoch", "last_step", "flush", "validation", "mark_best", "finish",

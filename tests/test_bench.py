@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alignment.bench import format_result, run_bench
-from bank.bench import format_bench, run_training_bench
-from bank.floor import measure_wire_floor
-from parties.tls import write_dev_pki
+from bank.lab.bench import format_bench, run_training_bench
+from bank.lab.psi_bench import format_result, run_bench
+from bank.lab.wire_floor import measure_wire_floor
+from parties.transport.tls import write_dev_pki
 
 
 def test_bench_reports_the_intersection_and_wire_cost() -> None:

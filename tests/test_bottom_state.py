@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from parties.bottom import BottomTrainer
-from parties.checkpoint import Checkpoint
-from parties.model import BottomConfig
+from parties.learning.bottom import BottomTrainer
+from parties.learning.model import BottomConfig
+from parties.storage.checkpoint import Checkpoint
 
 CONFIG = BottomConfig(hidden=(8,), cut_width=4, seed=3)
 

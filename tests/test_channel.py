@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from parties.client import make_channel
 from parties.errors import PeerError, PeerUnavailable
-from parties.protocol import CALLER_HEADER
-from parties.server import ServerThread
-from parties.tls import PeerIdentity, TLSFiles
+from parties.protocol.messages import CALLER_HEADER
+from parties.transport.client import make_channel
+from parties.transport.server import ServerThread
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 BANK = PeerIdentity("bank", "bank")
 PARTNER = PeerIdentity("partner", "partner")

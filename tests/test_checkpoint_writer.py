@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from parties.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint, write_checkpoint
 from parties.errors import StorageError
+from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint, write_checkpoint
 
 
 def test_flush_makes_every_submitted_checkpoint_readable_and_keeps_the_last_ones(tmp_path: Path) -> None:
@@ -81,10 +81,10 @@ def test_a_training_writer_deletes_only_what_is_older_than_the_common_step(tmp_p
 def test_a_session_asked_for_a_step_it_no_longer_holds_says_so(tmp_path: Path) -> None:
     import numpy as np
 
-    from parties.dataset import AlignedRows, load_party_table
     from parties.errors import OutOfOrder
-    from parties.model import BottomConfig
-    from parties.session import PartySession
+    from parties.learning.model import BottomConfig
+    from parties.learning.training_session import PartySession
+    from parties.tables.table import AlignedRows, load_party_table
 
     csv = tmp_path / "p.csv"
     csv.write_text("customer_id,x\n" + "".join(f"{i},{i % 7}\n" for i in range(20)))

@@ -13,12 +13,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from bank.http_partner import HttpPartner
 from bank.operator import BankOperator
-from bank.proxy import HttpPartner
-from parties.channel import Channel
-from parties.client import make_client
 from parties.errors import PeerUntrusted
-from parties.tls import PeerIdentity, TLSFiles, client_ssl_context
+from parties.transport.channel import Channel
+from parties.transport.client import make_client
+from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context
 
 
 def _partner_csv(path: Path, rows: int) -> Path:

@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
-import alignment.__main__ as alignment_cli
 import bank.__main__ as bank_cli
 import data.__main__ as data_cli
 import parties.__main__ as parties_cli
 import partner.__main__ as partner_cli
 from bank.config import TrainingConfig
-from parties.hijack import MonitorConfig
 from parties.cli import run_cli
-from parties.model import BottomConfig
-from parties.privacy import PrivacyConfig
+from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.hijack_monitor import MonitorConfig
+from parties.learning.model import BottomConfig
 from parties.settings import BankSettings, ServiceSettings
 
 PARSERS = {
@@ -30,7 +29,6 @@ PARSERS = {
     "partner": partner_cli.build_parser,
     "data": data_cli.build_parser,
     "parties": parties_cli.build_parser,
-    "alignment": alignment_cli.build_parser,
 }
 
 

@@ -14,22 +14,22 @@ import pytest
 import torch
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
+from bank.http_partner import HttpPartner
+from bank.in_process import InProcessParty
 from bank.operator import BankOperator
-from bank.local import InProcessParty
-from bank.proxy import HttpPartner
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
-from parties.checkpoint import checkpoint_steps, read_checkpoint
-from parties.client import make_channel, make_client
 from parties.errors import PeerUnavailable
-from parties.dataset import load_party_table
-from parties.model import BottomConfig
-from parties.process import ServiceProcess
-from parties.server import bind_socket
-from parties.tls import PeerIdentity, TLSFiles
+from parties.learning.model import BottomConfig
+from parties.storage.checkpoint import checkpoint_steps, read_checkpoint
+from parties.tables.table import load_party_table
+from parties.transport.client import make_channel, make_client
+from parties.transport.process import ServiceProcess
+from parties.transport.server import bind_socket
+from parties.transport.tls import PeerIdentity, TLSFiles
 from tests.training_helpers import saved, state_equal
 
 BANK_BOTTOM = BottomConfig(cut_width=8, seed=1)
@@ -149,7 +149,7 @@ def test_a_partner_down_past_the_deadline_stops_training_with_a_clear_message(pk
 def test_a_kill_during_a_save_leaves_only_whole_checkpoints(tmp_path: Path) -> None:
     script = (
         "import sys, torch\n"
-        "from parties.checkpoint import CheckpointWriter\n"
+        "from parties.storage.checkpoint import CheckpointWriter\n"
         "big = {'w': torch.randn(4_000_000)}\n"
         "writer = CheckpointWriter(keep=3)\n"  # what training uses: writes on a background thread
         "for step in range(10_000):\n"

@@ -19,7 +19,7 @@ from data.partition import BANK_COLUMNS, PARTNER_COLUMNS, PartitionSpec, PartySp
 from data.prepare import prepare_bank_marketing
 from data.uci import BANK_FULL_NAME, locate_bank_full
 from parties.errors import ConfigError, DataError, DatasetUnavailable
-from parties.server import bind_socket, running_server
+from parties.transport.server import bind_socket, running_server
 
 
 def _nested_zip(csv: bytes) -> bytes:

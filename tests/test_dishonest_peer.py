@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Response
 
-from alignment import curve, session
-from alignment.local import LocalPsiPeer
+from alignment import curve, psi
+from alignment.in_process import LocalPsiPeer
 from alignment.parallel import WorkerPool
-from alignment.session import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
-from bank.alignment import align_with_partners
-from bank.proxy import HttpPartner
+from alignment.psi import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
+from bank.aligner import align_with_partners
+from bank.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
-from parties.client import make_client
-from parties.dataset import load_party_table
 from parties.errors import OverBudget, PeerError, UnknownSession
-from parties.server import ServerThread
 from parties.settings import PsiBudget
-from parties.tls import PeerIdentity, TLSFiles
+from parties.tables.table import load_party_table
+from parties.transport.client import make_client
+from parties.transport.server import ServerThread
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 
 @pytest.fixture()
@@ -73,19 +73,19 @@ def test_a_partner_echoing_the_banks_values_makes_up_no_intersection(honest_rebl
 
 def test_each_side_sends_its_set_in_a_fresh_random_order(pool, threads, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, orders = [], []
-    generate, fresh = curve.generate_key, session.fresh_order
+    generate, fresh = curve.generate_key, psi.fresh_order
     monkeypatch.setattr(curve, "generate_key", lambda: keys.append(generate()) or keys[-1])
-    monkeypatch.setattr(session, "fresh_order", lambda n: orders.append(fresh(n)) or orders[-1])
+    monkeypatch.setattr(psi, "fresh_order", lambda n: orders.append(fresh(n)) or orders[-1])
     bank_points, partner_points = _points([f"C{i}" for i in range(300)]), _points([f"C{i}" for i in range(100, 400)])
     peer = LocalPsiPeer(partner_points, pool, threads)
     session_id, result = run_initiator(peer, bank_points, pool, chunk_items=1000)
     (bank_key, partner_key), (bank_order, partner_order) = keys, orders
     # What the partner received is the bank's set blinded, in the bank's fresh order, not in its file order.
-    assert peer.sent[0] == curve.blind(bank_key, session._permuted(bank_points, bank_order))
+    assert peer.sent[0] == curve.blind(bank_key, psi._permuted(bank_points, bank_order))
     assert peer.sent[0] != curve.blind(bank_key, bank_points)
     assert np.mean(bank_order == np.arange(300)) < 0.05
     # And the same for what the bank received of the partner's set.
-    assert peer.received[0] == curve.blind(partner_key, session._permuted(partner_points, partner_order))
+    assert peer.received[0] == curve.blind(partner_key, psi._permuted(partner_points, partner_order))
     assert np.mean(partner_order == np.arange(300)) < 0.05
     assert len(result) == 200
 
@@ -223,7 +223,7 @@ def test_a_partner_refuses_points_off_the_curve(bad, pki: Path, partition, start
 def test_the_hashes_are_bound_to_the_partnership(pki: Path, partition, start_partner) -> None:
     """The partner hashes under the DST of the bank its certificate names: a bank that hashes as another
     bank (or a value carried over from another partnership) matches nothing."""
-    assert session.partnership_dst("bank", "partner") != session.partnership_dst("bank2", "partner")
+    assert psi.partnership_dst("bank", "partner") != psi.partnership_dst("bank2", "partner")
     partner = start_partner(partition["partner1"])
     table = load_party_table(partition["bank"], "customer_id", "y")
     with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client, \

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from bank.config import TrainingConfig
 from data.prepare import prepare_bank_marketing
-from parties.channel import Channel, ChannelResponse
 from parties.errors import PeerUnavailable
-from parties.model import BottomConfig
+from parties.learning.model import BottomConfig
+from parties.transport.channel import Channel, ChannelResponse
 from tests.training_helpers import federation, saved, state_equal
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}

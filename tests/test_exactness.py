@@ -10,7 +10,7 @@ import torch
 from bank.config import TopConfig, TrainingConfig
 from bank.trainer import epoch_batches
 from data.prepare import prepare_bank_marketing
-from parties.model import BottomConfig, mlp
+from parties.learning.model import BottomConfig, mlp
 from tests.training_helpers import federation, saved, state_equal
 
 

@@ -9,10 +9,10 @@ import pytest
 
 PACKAGES = ["alignment", "bank", "data", "parties", "partner"]
 MODULES = PACKAGES + sorted(
-    f"{pkg}.{m.name}"
+    m.name
     for pkg in PACKAGES
-    for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__)
-    if m.name != "__main__"
+    for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, prefix=f"{pkg}.")
+    if not m.name.endswith(".__main__")
 )
 
 

@@ -16,7 +16,6 @@ random runs.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -30,15 +29,15 @@ from typing import Any
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.proxy import HttpPartner
+from bank.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
-from parties.client import make_client
-from parties.checkpoint import checkpoint_steps, read_checkpoint
-from parties.dataset import load_party_table, save_alignment
 from parties.errors import StorageError
-from parties.tls import PeerIdentity, TLSFiles
+from parties.storage.checkpoint import checkpoint_steps, read_checkpoint
+from parties.tables.table import load_party_table, save_alignment
+from parties.transport.client import make_client
+from parties.transport.tls import PeerIdentity, TLSFiles
 from tests.faults import POINTS, BankSpec, Fault, PartnerProcess, run_bank, spec_json
 from tests.training_helpers import saved, state_equal
 

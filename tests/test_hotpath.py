@@ -12,13 +12,13 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.datastructures import State
 
-from parties.app import create_party_app
-from parties.client import make_client
 from parties.errors import OutOfOrder
-from parties.hotpath import HotPath, HotRequest, HotResponse, HotRoute
-from parties.server import ServerThread
 from parties.settings import PartnerSettings
-from parties.tls import PeerIdentity, TLSFiles
+from parties.transport.app import create_party_app
+from parties.transport.client import make_client
+from parties.transport.hot_routes import HotPath, HotRequest, HotResponse, HotRoute
+from parties.transport.server import ServerThread
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 LIMIT = 1 << 16
 
@@ -175,7 +175,7 @@ def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None
 
 
 def test_busy_polling_keeps_serving_and_ends_at_its_deadline() -> None:
-    from parties.server import _BusyPoll
+    from parties.transport.server import _BusyPoll
 
     async def scenario() -> tuple[float, float, bool]:
         loop = asyncio.get_running_loop()

@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bank.analysis import load_run
-from bank.audit import label_leakage
+from bank.lab.analysis import load_run
+from bank.lab.audit import label_leakage
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 
@@ -50,7 +50,7 @@ def audited_run(project: Path) -> Path:
 @pytest.fixture(scope="module")
 def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.NotebookNode:
     """The notebook after ``jupyter nbconvert --to notebook --execute notebooks/analysis.ipynb`` from the project."""
-    from bank.privacy_study import hijack_rates, run_study
+    from bank.lab.privacy_study import hijack_rates, run_study
 
     study = audited_run / "privacy"  # section 5 reads a privacy study kept in the run folder
     run_study(study, rows=4000, epochs=4, cache=bank_full.parent, download=False)

@@ -10,14 +10,13 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from parties.process import ServiceProcess
+from parties.transport.process import ServiceProcess
 
 ROWS = 3000
 

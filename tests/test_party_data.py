@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from parties.dataset import load_party_table
 from parties.errors import DataError
+from parties.tables.table import load_party_table
 
 
 def test_a_good_file_loads_with_its_schema(write_csv) -> None:

@@ -12,10 +12,10 @@ from sklearn.metrics import roc_auc_score
 from bank.config import TrainingConfig
 from bank.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
-from parties.bottom import BottomTrainer
 from parties.errors import BudgetExhausted, CutlayerError
-from parties.model import BottomConfig
-from parties.privacy import EmbeddingDP, PrivacyConfig, epsilon_after
+from parties.learning.bottom import BottomTrainer
+from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig, epsilon_after
+from parties.learning.model import BottomConfig
 from tests.training_helpers import federation
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
@@ -102,7 +102,7 @@ def test_the_hijack_monitor_catches_a_hijacking_bank_and_not_an_honest_one(
     pki, bank_full: Path, tmp_path: Path, start_partner, seed: int
 ) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False, seed=seed)
-    from parties.hijack import MonitorConfig
+    from parties.learning.hijack_monitor import MonitorConfig
 
     start = lambda data, **kw: start_partner(data, monitor=MonitorConfig(probe_every=3, seed=seed), **kw)  # noqa: E731
     config = TrainingConfig(epochs=2, batch_size=64, seed=seed)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from alignment import curve
-from alignment.local import LocalPsiPeer
+from alignment.in_process import LocalPsiPeer
 from alignment.parallel import WorkerPool
-from alignment.session import TRUNCATED_BYTES, intersect, run_initiator
+from alignment.psi import TRUNCATED_BYTES, intersect, run_initiator
 from parties.errors import BadMessage, OutOfOrder
 
 

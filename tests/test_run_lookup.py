@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from bank.__main__ import main
-from bank.analysis import latest_run, load_run, resolve_run, write_report
+from bank.lab.analysis import latest_run, load_run, resolve_run, write_report
 from parties.errors import DataError
 
 SESSION = "s1"

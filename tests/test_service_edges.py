@@ -25,13 +25,12 @@ import pytest
 from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
-
-from parties.client import make_client
 from parties.errors import BadMessage
-from parties.files import open_private_log, private_dir
+from parties.protocol.wire import check_nesting, decode
 from parties.settings import PartnerSettings
-from parties.tls import TLSFiles, client_ssl_context
-from parties.wire import check_nesting, decode
+from parties.storage.files import open_private_log, private_dir
+from parties.transport.client import make_client
+from parties.transport.tls import TLSFiles, client_ssl_context
 
 
 def deep_message(levels: int = 30_000) -> bytes:
@@ -106,7 +105,7 @@ def test_insecure_needs_loopback_and_says_so_loudly(tiny_partner_csv, tmp_path) 
     assert code == 2 and url == "" and "loopback address only" in err
     code, url, err = _serve_partner(tiny_partner_csv, ["--insecure"], {}, tmp_path)
     assert url.startswith("http://127.0.0.1:")
-    assert "WARNING parties.server: INSECURE: serving plain HTTP" in err
+    assert "WARNING parties.transport.server: INSECURE: serving plain HTTP" in err
 
 
 def test_insecure_and_a_tls_flag_together_are_refused(pki, tiny_partner_csv, tmp_path) -> None:
@@ -185,7 +184,7 @@ HEAD = b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100000\r\n"
 ], ids=["idle", "head", "body", "body-hot"])
 def test_a_trickling_client_is_cut_off(pki, start_partner, tiny_partner_csv, caplog, first, chunk) -> None:
     partner = start_partner(tiny_partner_csv, header_timeout=1.0, body_timeout=1.0)
-    caplog.set_level("WARNING", logger="parties.server")
+    caplog.set_level("WARNING", logger="parties.transport.server")
     with tls_socket(pki, "bank", partner.url) as sock:
         sock.sendall(first) if first else None
         answer, closed_after = trickle_until_closed(sock, chunk, seconds=6)
@@ -246,7 +245,7 @@ def _handshake(pki_dir: Path | None, url: str) -> None:
 def test_a_refused_handshake_is_logged_with_the_peer_and_the_reason(pki, rogue_pki, start_partner, tiny_partner_csv,
                                                                     caplog, who, reason) -> None:
     partner = start_partner(tiny_partner_csv)
-    caplog.set_level("WARNING", logger="parties.edges")
+    caplog.set_level("WARNING", logger="parties.transport.edges")
     if who == "plain":
         parts = urlsplit(partner.url)
         with socket.create_connection((parts.hostname, parts.port), timeout=5) as raw:
@@ -257,7 +256,7 @@ def test_a_refused_handshake_is_logged_with_the_peer_and_the_reason(pki, rogue_p
     deadline = time.monotonic() + 5
     while "refused a TLS connection" not in caplog.text and time.monotonic() < deadline:
         time.sleep(0.05)
-    [record] = [r for r in caplog.records if r.name == "parties.edges"]
+    [record] = [r for r in caplog.records if r.name == "parties.transport.edges"]
     assert record.levelname == "WARNING"
     assert "refused a TLS connection from 127.0.0.1:" in record.getMessage() and reason in record.getMessage()
 

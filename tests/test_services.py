@@ -10,14 +10,14 @@ import pandas as pd
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
+from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
-from bank.proxy import HttpPartner
 from data.prepare import prepare_bank_marketing
-from parties.client import make_client
-from parties.dataset import load_party_table
 from parties.errors import PeerError
-from parties.tls import PeerIdentity, TLSFiles
+from parties.tables.table import load_party_table
+from parties.transport.client import make_client
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 
 @pytest.fixture()
@@ -225,8 +225,8 @@ def test_invalid_psi_messages_get_4xx_with_a_reason(pki, partition, start_partne
 
 def test_insecure_mode_works_but_only_with_a_declared_caller(write_csv, start_partner, start_bank, tmp_path) -> None:
     from bank.service import create_app as create_bank_app
-    from parties.server import running_server
     from parties.settings import BankSettings, PartnerSettings
+    from parties.transport.server import running_server
     from partner.service import create_app as create_partner_app
 
     p_settings = PartnerSettings(name="partner", data=write_csv("p.csv", customer_id=["a", "b", "c"], x=list("123")), insecure=True, workers=1, state_dir=tmp_path / "p")

@@ -12,12 +12,12 @@ import torch
 
 from bank.__main__ import main
 from bank.config import TrainingConfig
+from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
-from bank.proxy import HttpPartner
 from data.prepare import prepare_bank_marketing
-from parties.client import make_client
 from parties.errors import PeerError, UnknownSession
-from parties.tls import PeerIdentity, TLSFiles
+from parties.transport.client import make_client
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 CONFIG = TrainingConfig(epochs=1, batch_size=256)
 

@@ -18,9 +18,9 @@ import pytest
 from sklearn import metrics as skm
 from sklearn.ensemble import HistGradientBoostingClassifier
 
-from parties.dataset import load_party_table
-from parties.features import TabularEncoder
-from parties.process import ServiceProcess
+from parties.tables.encoding import TabularEncoder
+from parties.tables.table import load_party_table
+from parties.transport.process import ServiceProcess
 
 #: The joint model's test ROC-AUC before subset models existed (README), which they must not change.
 JOINT_AUC = 0.9414

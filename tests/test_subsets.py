@@ -21,8 +21,8 @@ from bank.schedule import split_rows
 from bank.subsets import partial_subsets, train_subset_models
 from bank.task import Task
 from data.prepare import prepare_bank_marketing
-from parties.dataset import load_party_table
-from parties.tls import TLSFiles
+from parties.tables.table import load_party_table
+from parties.transport.tls import TLSFiles
 
 
 def test_partial_subsets_are_every_subset_with_the_bank_and_not_all_partners() -> None:

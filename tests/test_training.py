@@ -9,17 +9,17 @@ import pandas as pd
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
+from bank.in_process import InProcessParty
 from bank.operator import BankOperator
-from bank.local import InProcessParty
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
-from parties.dataset import AlignedRows, load_party_table
 from parties.errors import NotAligned, PeerError
-from parties.model import BottomConfig
-from parties.tls import TLSFiles
+from parties.learning.model import BottomConfig
+from parties.tables.table import AlignedRows, load_party_table
+from parties.transport.tls import TLSFiles
 from tests.training_helpers import federation, saved, state_equal
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import save as raw_safetensors
 
 from bank.config import TrainingConfig
-from bank.local import InProcessParty
+from bank.in_process import InProcessParty
 from data.prepare import prepare_bank_marketing
-from parties.client import make_client
 from parties.errors import CutlayerError
-from parties.model import BottomConfig
-from parties.tls import TLSFiles
-from parties.wire import SAFETENSORS, encode
+from parties.learning.model import BottomConfig
+from parties.protocol.wire import SAFETENSORS, encode
+from parties.transport.client import make_client
+from parties.transport.tls import TLSFiles
 from tests.training_helpers import federation, state_equal
 
 BOTTOMS = {"bank": BottomConfig(cut_width=6, seed=1), "partner": BottomConfig(hidden=(8,), cut_width=6, seed=2)}

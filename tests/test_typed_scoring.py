@@ -13,9 +13,9 @@ import pytest
 from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from parties.errors import PeerError
-from parties.dataset import FeatureSchema
-from parties.features import MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, TabularEncoder, category_text
-from parties.tls import TLSFiles
+from parties.tables.encoding import MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, TabularEncoder, category_text
+from parties.tables.table import FeatureSchema
+from parties.transport.tls import TLSFiles
 
 
 def test_an_integer_coded_category_is_one_category_whatever_its_dtype() -> None:

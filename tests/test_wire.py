@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load
 
 from parties.errors import BadMessage
-from parties.protocol import SCHEMA_VERSION
-from parties.wire import all_finite, decode, encode
+from parties.protocol.messages import SCHEMA_VERSION
+from parties.protocol.wire import all_finite, decode, encode
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]

@@ -13,20 +13,20 @@ import torch
 from safetensors.torch import load_file
 
 from alignment.parallel import WorkerPool
-from bank.alignment import align_with_partners
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.local import InProcessParty
-from bank.proxy import HttpPartner
+from bank.http_partner import HttpPartner
+from bank.in_process import InProcessParty
+from bank.lab.unsplit import UnsplitModel
 from bank.task import Task
 from bank.trainer import Coordinator
-from bank.unsplit import UnsplitModel
-from parties.channel import Channel
-from parties.client import make_client
-from parties.dataset import AlignedRows, PartyTable, load_party_table
-from parties.model import BottomConfig
-from parties.server import ServerThread
-from parties.session import PartySession
-from parties.tls import PeerIdentity, TLSFiles, client_ssl_context
+from parties.learning.model import BottomConfig
+from parties.learning.training_session import PartySession
+from parties.tables.table import AlignedRows, PartyTable, load_party_table
+from parties.transport.channel import Channel
+from parties.transport.client import make_client
+from parties.transport.server import ServerThread
+from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context
 
 
 @dataclass

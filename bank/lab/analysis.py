@@ -1,0 +1,330 @@
+"""Analyse a training run from its files: curves, communication, time per party, and the report.
+
+Everything here reads the run folder the walkthrough (or ``python -m bank
+train``) wrote, so a notebook or a script can use it without the services.
+``write_report`` computes every table and figure, saves them under
+``<run>/analysis/`` (CSV and PNG) and returns them for display.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files, not windows: the report runs headless too
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from sklearn import metrics as skm
+
+from parties.errors import DataError
+
+__all__ = [
+    "Run",
+    "communication_table",
+    "latest_run",
+    "leakage_figure",
+    "learning_curves",
+    "load_run",
+    "party_times",
+    "privacy_study",
+    "reliability_figure",
+    "resolve_run",
+    "roc_pr_curves",
+    "subset_table",
+    "write_report",
+]
+
+
+@dataclass
+class Run:
+    """A run folder, read: the bank's config, metrics, history, split and test predictions."""
+
+    path: Path
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+    history: pd.DataFrame
+    split: pd.DataFrame
+    predictions: pd.DataFrame
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def partners(self) -> list[str]:
+        return list(self.metrics.get("communication", {}))
+
+    @property
+    def bank_run_dir(self) -> Path:
+        """The bank's own run folder (the walkthrough keeps it under ``bank/runs/<session>``)."""
+        stored = self.summary.get("bank_run_dir")
+        return self.path if stored is None else self._stored_path(stored)
+
+    @property
+    def audit_dir(self) -> Path:
+        return self.bank_run_dir / "audit"
+
+    def model_dir(self, party: str) -> Path:
+        """The folder holding ``party``'s model files (the bank's: its top model, its bottom under ``bank/``)."""
+        stored = self.summary.get("model_files", {}).get(party)
+        if stored is not None:
+            return self._stored_path(stored)
+        if party == "bank":
+            return self.bank_run_dir / "model"
+        return self.path / party / "models" / self.metrics["session"]
+
+    def _stored_path(self, value: str) -> Path:
+        """A path ``summary.json`` names, relative to the run folder.
+
+        Older summaries stored paths as the walkthrough saw them: absolute, or
+        relative to its working directory, which is usually a folder above the
+        run (``runs/<stamp>/...``). Those are accepted where they exist.
+        """
+        stored = Path(value)
+        if stored.is_absolute():
+            return stored
+        candidates = [self.path / stored, stored, *(folder / stored for folder in self.path.resolve().parents)]
+        return next((c for c in candidates if c.exists()), self.path / stored)
+
+
+def _upward(start: Path | None) -> list[Path]:
+    """``start`` (default: the working directory) and every folder above it, nearest first."""
+    here = Path.cwd() if start is None else Path(start).resolve()
+    return [here, *here.parents]
+
+
+def latest_run(root: Path | str = "runs", start: Path | None = None) -> Path:
+    """The most recently written run folder under ``root``.
+
+    A relative ``root`` is looked up as git looks up its repository: in
+    ``start`` (default: the working directory), else in the nearest folder
+    above that has a run under it. Jupyter starts a kernel in the notebook's
+    folder, not where ``python -m bank walkthrough`` wrote ``runs/``.
+    """
+    root = Path(root)
+    upward = _upward(start)
+    for folder in [root] if root.is_absolute() else [folder / root for folder in upward]:
+        candidates = sorted(folder.glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
+        if candidates:
+            return candidates[-1].parent
+    where = root if root.is_absolute() else f"{root}/ in {upward[0]} or any folder above it"
+    raise DataError(f"no run under {where}: run `python -m bank walkthrough` first")
+
+
+def resolve_run(path: Path | str, start: Path | None = None) -> Path:
+    """The run folder ``path`` names: as is if absolute; else ``path`` under ``start`` (default: the
+    working directory) or under the nearest folder above it where it is a run folder (holds ``metrics.json``)."""
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    upward = _upward(start)
+    for folder in upward:
+        if (folder / path / "metrics.json").is_file():
+            return (folder / path).resolve()
+    raise DataError(f"{path}: no run folder (one with metrics.json) of that name in {upward[0]} or any folder above it")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DataError(f"{path}: missing; is {path.parent} a run folder?") from exc
+
+
+def load_run(path: Path | str | None = None, root: Path | str = "runs") -> Run:
+    """Read a run folder (default: the latest under ``runs/`` here or above); see ``resolve_run``."""
+    folder = resolve_run(path) if path is not None else latest_run(root)
+    summary_path = folder / "summary.json"
+    return Run(
+        path=folder,
+        config=_read_json(folder / "config.json"),
+        metrics=_read_json(folder / "metrics.json"),
+        history=pd.read_csv(folder / "history.csv"),
+        split=pd.read_csv(folder / "split.csv"),
+        predictions=pd.read_csv(folder / "test_predictions.csv"),
+        summary=_read_json(summary_path) if summary_path.exists() else {},
+    )
+
+
+def learning_curves(run: Run) -> Figure:
+    """Training loss and validation ROC-AUC per epoch, the best epoch marked."""
+    h = run.history
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(h["epoch"], h["train_loss"], marker="o")
+    ax1.set(title="training loss", xlabel="epoch", ylabel="loss")
+    metric = "val_roc_auc" if "val_roc_auc" in h else [c for c in h if c.startswith("val_")][0]
+    ax2.plot(h["epoch"], h[metric], marker="o", color="tab:green")
+    ax2.axvline(run.metrics["best_epoch"], color="grey", linestyle="--", label="best epoch")
+    ax2.set(title=f"validation {metric[4:]}", xlabel="epoch")
+    ax2.legend()
+    fig.tight_layout()
+    return fig
+
+
+def roc_pr_curves(run: Run) -> Figure:
+    """ROC and precision-recall curves on the held-out test rows."""
+    y, s = run.predictions["target"].to_numpy(), run.predictions["score"].to_numpy()
+    fpr, tpr, _ = skm.roc_curve(y, s)
+    precision, recall, _ = skm.precision_recall_curve(y, s)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(fpr, tpr, label=f"split model (AUC {skm.roc_auc_score(y, s):.3f})")
+    ax1.plot([0, 1], [0, 1], color="grey", linestyle=":")
+    ax1.set(title="ROC, test rows", xlabel="false positive rate", ylabel="true positive rate")
+    ax1.legend(loc="lower right")
+    ax2.plot(recall, precision, label=f"split model (AP {skm.average_precision_score(y, s):.3f})")
+    ax2.axhline(y.mean(), color="grey", linestyle=":", label=f"base rate {y.mean():.3f}")
+    ax2.set(title="precision-recall, test rows", xlabel="recall", ylabel="precision")
+    ax2.legend(loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def subset_table(run: Run) -> pd.DataFrame:
+    """Per subset of parties scoring can meet and group of held-out customers: its model and how it did."""
+    rows = []
+    for subset, info in run.metrics.get("subsets", {}).items():
+        for group, figures in info["held_out"].items():
+            rows.append({"parties": subset, "model": info["model"], "held_out": group, "rows": figures["rows"],
+                         **{k: figures.get(k, np.nan) for k in ("roc_auc", "pr_auc", "brier", "mean_score",
+                                                                "observed_rate")}})
+    return pd.DataFrame(rows)
+
+
+def reliability_figure(run: Run) -> Figure | None:
+    """Mean score against observed rate in bins of held-out customers, per scoring path (binary tasks)."""
+    path = run.path / "calibration.csv"
+    if not path.exists():
+        return None
+    bins = pd.read_csv(path)
+    fig, ax = plt.subplots(figsize=(6.4, 5))
+    for (subset, group), table in bins.groupby(["subset", "held_out"], sort=False):
+        ax.plot(table["mean_score"], table["observed_rate"], marker="o", label=f"{subset}: {group}")
+    top = float(max(bins["mean_score"].max(), bins["observed_rate"].max()))
+    ax.plot([0, top], [0, top], color="grey", linestyle=":", label="perfectly calibrated")
+    ax.set(title="reliability: held-out customers in 10 bins by score", xlabel="mean score",
+           ylabel="observed rate")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def communication_table(run: Run) -> pd.DataFrame:
+    """Per partner and epoch: bytes and round trips, next to the theoretical minimum."""
+    epochs = max(len(run.history), 1)
+    rows = []
+    for name, c in run.metrics["communication"].items():
+        rows.append({
+            "partner": name,
+            "round_trips_per_epoch": c["round_trips"] / epochs,
+            "MB_per_epoch": c["bytes_total"] / epochs / 1e6,
+            "minimum_MB_per_epoch": c["minimum_bytes_total"] / epochs / 1e6,
+            "overhead_ratio": c["overhead_ratio"],
+        })
+    return pd.DataFrame(rows)
+
+
+def party_times(run: Run) -> pd.DataFrame:
+    """Seconds the bank spent waiting on each party (its own bottom included), and per epoch."""
+    timings = run.metrics["timings"]
+    epochs = max(len(run.history), 1)
+    rows = [
+        {"party": key.removeprefix("wait_seconds_"), "seconds": value, "seconds_per_epoch": value / epochs}
+        for key, value in timings.items()
+        if key.startswith("wait_seconds_")
+    ]
+    rows.append({"party": "whole run", "seconds": timings["total_seconds"],
+                 "seconds_per_epoch": timings["total_seconds"] / epochs})
+    return pd.DataFrame(rows)
+
+
+def _bar(table: pd.DataFrame, x: str, y: str, title: str) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.barh(table[x], table[y], color=["tab:blue" if str(v).startswith("split") else "tab:grey" for v in table[x]])
+    for i, v in enumerate(table[y]):
+        ax.text(v, i, f" {v:.3f}", va="center")
+    ax.set(title=title, xlabel=y, xlim=(min(0.5, float(np.nanmin(table[y])) - 0.05), 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def leakage_figure(leakage: pd.DataFrame) -> Figure:
+    """Leak AUC per epoch for each attack (dashed: the cross-epoch attack on row-averaged gradients)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for partner, table in leakage.groupby("partner"):
+        per_epoch = table[table["epoch"].map(lambda e: isinstance(e, (int, np.integer)))]
+        pooled = table[~table.index.isin(per_epoch.index)]
+        for column, color in (("norm_leak_auc", "tab:red"), ("direction_leak_auc", "tab:purple")):
+            label = f"{partner}: {column.removesuffix('_leak_auc')} attack"
+            ax.plot(per_epoch["epoch"].astype(int), per_epoch[column], marker="o", color=color, label=label)
+            if len(pooled):
+                ax.axhline(float(pooled[column].iloc[0]), color=color, linestyle="--", alpha=0.6)
+    ax.axhline(0.5, color="grey", linestyle=":", label="no leak")
+    ax.set(title="label leakage to the partner (leak AUC)", xlabel="epoch", ylim=(0.4, 1.02))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def privacy_study(run: Run) -> dict[str, Any] | None:
+    """The privacy study saved under ``<run>/privacy`` (``python -m bank privacy-study --out``), if any:
+    its table, the hijack monitor's rates and the trade-off figure."""
+    folder = run.path / "privacy"
+    if not (folder / "privacy_study.csv").exists():
+        return None
+    return {"table": pd.read_csv(folder / "privacy_study.csv"),
+            "hijack_monitor": pd.read_csv(folder / "hijack_monitor.csv"),
+            "figure": folder / "privacy_tradeoff.png"}
+
+
+def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0,
+                 partition: Path | None = None) -> dict[str, Any]:
+    """Compute every table and figure, save them under ``<run>/analysis/``, return them by name.
+
+    ``partition``: the folder ``python -m data partition`` wrote, for the references and the audit's
+    targets (default: the walkthrough's ``<run>/data``). Without one the references are left out, and
+    ``notes`` says so.
+    """
+    from bank.lab.audit import inversion_probe, label_leakage
+    from bank.lab.references import NoPartition, reference_models
+
+    out = run.path / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, pd.DataFrame] = {
+        "communication": communication_table(run),
+        "party_times": party_times(run),
+        "subsets": subset_table(run),
+    }
+    figures: dict[str, Figure] = {"learning_curves": learning_curves(run), "roc_pr": roc_pr_curves(run)}
+    reliability = reliability_figure(run)
+    if reliability is not None:
+        figures["reliability"] = reliability
+    notes: list[str] = []
+    if references:
+        try:
+            tables["comparison"] = reference_models(run, seed=seed, partition=partition)
+        except NoPartition as exc:
+            notes.append(f"references left out: {exc}")
+        else:
+            figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+    if audit and run.config.get("audit") and not run.audit_dir.exists():
+        raise DataError(f"{run.audit_dir}: missing, though the run was trained with --audit")
+    if audit and run.audit_dir.exists():
+        try:
+            tables["label_leakage"] = label_leakage(run, partition)
+            tables["inversion"] = inversion_probe(run, seed=seed, partition=partition)
+        except NoPartition as exc:
+            notes.append(f"audit left out: {exc}")
+        else:
+            figures["label_leakage"] = leakage_figure(tables["label_leakage"])
+    for name, table in tables.items():
+        table.to_csv(out / f"{name}.csv", index=False)
+    for name, fig in figures.items():
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    return {"tables": tables, "figures": {n: out / f"{n}.png" for n in figures}, "notes": notes}

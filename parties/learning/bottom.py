@@ -1,0 +1,235 @@
+"""A party's bottom model in training: the step protocol's state machine, without transport.
+
+Step ``t`` carries the gradient for step ``t-1``'s embedding (if there was
+one) and the rows of batch ``t`` (absent in the final flush). The party first
+applies the gradient, then embeds batch ``t`` with the updated weights, which
+is exactly what the unsplit model does between two optimiser steps.
+
+Exactly once: (session, step) is the idempotency key. A step that arrives
+again with the same content (the bank retrying after a lost response) gets
+the stored answer and changes nothing; with other content, or any step but
+the next, it is refused. Every request is fully validated before anything
+changes: a refused request leaves the weights, the optimiser and the step
+counter as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
+from parties.learning import fast_path
+from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig
+from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
+from parties.learning.model import BottomConfig, build_bottom, build_optimizer
+from parties.protocol.wire import all_finite
+from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
+
+__all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_ROWS = 1 << 16
+
+
+class BottomTrainer:
+    """One training session of one party's bottom model over its encoded, aligned rows."""
+
+    def __init__(
+        self,
+        features: np.ndarray,
+        config: BottomConfig,
+        privacy: PrivacyConfig | None = None,
+        monitor: MonitorConfig | None = None,
+    ) -> None:
+        self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        self.config = config
+        self.model = build_bottom(self.x.shape[1], config)
+        self._params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self._params, config)
+        self.next_step = 0
+        self._pending: torch.Tensor | None = None
+        self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
+        self._best: dict[str, Any] | None = None
+        self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._lock = threading.Lock()
+        self.releases = 0  # embedding rows released (training and evaluation)
+        self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.clip is not None else None
+        self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
+        self._probe: list[tuple[int, int]] = []
+
+    @property
+    def width(self) -> int:
+        return self.config.cut_width
+
+    @property
+    def n_rows(self) -> int:
+        return self.x.shape[0]
+
+    def _check_rows(self, rows: torch.Tensor | None) -> None:
+        if rows is None:
+            return
+        if rows.dtype != torch.int64 or rows.dim() != 1:
+            raise BadMessage("rows must be a 1-D int64 tensor")
+        if not 0 < rows.numel() <= MAX_BATCH_ROWS:
+            raise BadMessage(f"a batch holds 1 to {MAX_BATCH_ROWS} rows, got {rows.numel()}")
+        low, high = torch.aminmax(rows)
+        if int(low) < 0 or int(high) >= self.n_rows:
+            raise BadMessage(f"rows must lie in [0, {self.n_rows})")
+
+    def _check_grad(self, grad: torch.Tensor | None) -> None:
+        if self._pending is None:
+            if grad is not None:
+                raise BadMessage("a gradient arrived but no embedding is awaiting one")
+            return
+        if grad is None:
+            raise BadMessage(f"step {self.next_step} must carry the gradient of step {self.next_step - 1}")
+        assert self._pending_index is not None
+        expected = (self._pending_index.numel(), self.width)
+        if tuple(grad.shape) != expected:
+            raise BadMessage(f"gradient shape {tuple(grad.shape)}; expected {expected}")
+        if grad.dtype != torch.float32:
+            raise BadMessage(f"gradient dtype {grad.dtype}; expected torch.float32")
+        if not all_finite(grad):
+            raise BadMessage("the gradient holds NaN or infinite values")
+
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Apply ``grad`` to the pending embedding, then embed ``rows``; return the embedding."""
+        with self._lock:
+            if self._last is not None and step == self._last[0]:
+                return self._replay(grad, rows)
+            if step > self.next_step:
+                raise Behind(f"step {step} arrived; expected step {self.next_step}", self.next_step)
+            if step != self.next_step:
+                raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
+            self._check_grad(grad)
+            self._check_rows(rows)
+            if self.dp is not None and rows is not None:
+                self.dp.check(rows)
+            if self.monitor is not None:
+                if self.monitor.alarm is None and self._probe and grad is not None:
+                    grad = self.monitor.inspect(grad, self._probe)
+                    self._probe = []
+                if self.monitor.alarm is not None:
+                    raise HijackSuspected(self.monitor.alarm)
+            if self._pending is not None:
+                fast_path.clear_grads(self._params)
+                fast_path.backward(self._pending, grad)
+                fast_path.optimizer_step(self.optimizer)
+                # Both go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
+                self._pending, self._pending_index = None, None
+            out = None
+            if rows is not None:
+                if not self.model.training:
+                    self.model.train()
+                z = fast_path.forward(self.model, self.x.index_select(0, rows))
+                if self.dp is not None:
+                    z = self.dp.release(z, rows)
+                self._pending, self._pending_index = z, rows
+                self.releases += rows.numel()
+                out = z.detach()
+                if self.monitor is not None:
+                    self._probe = self.monitor.plan(step, rows.numel())
+                    if self._probe:
+                        out = self.monitor.disguise(out, self._probe)
+            self.next_step = step + 1
+            self._last = (step, grad, rows, out)
+            return out
+
+    def _replay(self, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+        step, last_grad, last_rows, out = self._last  # type: ignore[misc]
+
+        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+            return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+        if not (same(grad, last_grad) and same(rows, last_rows)):
+            raise OutOfOrder(f"step {step} was already applied, with a different request")
+        logger.info("step %d arrived again: answered from the stored response", step)
+        return out
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embeddings for evaluation: no graph kept, no state changed."""
+        self._check_rows(rows)
+        with self._lock, torch.no_grad():
+            self.model.eval()
+            z = self.model(self.x.index_select(0, rows))
+            self.model.train()
+            if self.dp is not None:
+                z = self.dp.release(z, rows)
+            self.releases += rows.numel()
+            return z
+
+    def mark_best(self) -> None:
+        """Remember the current weights as the best so far (the bank judges by validation)."""
+        with self._lock:
+            if self._pending is not None:
+                raise OutOfOrder("flush the pending gradient before marking the best weights")
+            self._best = copy.deepcopy(self.model.state_dict())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue exactly from here, as named tensors and JSON."""
+        with self._lock:
+            tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+            optim, optim_meta = flatten_optimizer(self.optimizer, "optim")
+            tensors |= optim
+            if self._pending_index is not None:
+                tensors["pending.rows"] = self._pending_index.clone()
+            if self._best is not None:
+                tensors |= {f"best.{k}": v.clone() for k, v in self._best.items()}
+            last_step = None
+            if self._last is not None:
+                last_step = self._last[0]
+                for name, value in zip(("grad", "rows", "out"), self._last[1:]):
+                    if value is not None:
+                        tensors[f"last.{name}"] = value.detach().clone()
+            meta = {"next_step": self.next_step, "optimizer": optim_meta, "last_step": last_step,
+                    "releases": self.releases}
+            if self.dp is not None:
+                tensors["dp.releases"] = torch.from_numpy(self.dp.releases.copy())
+                meta["dp_draws"] = self.dp._draws
+            if self.monitor is not None:
+                meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
+            return tensors, meta
+
+    def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint: the pending embedding is recomputed from its rows, bit for bit."""
+        with self._lock:
+            self.model.load_state_dict(checkpoint.section("model"))
+            unflatten_optimizer(self.optimizer, checkpoint.section("optim"), meta["optimizer"])
+            self.next_step, self.releases = meta["next_step"], meta["releases"]
+            if self.dp is not None:
+                self.dp.releases = checkpoint.tensors["dp.releases"].numpy().copy()
+                self.dp._draws = meta["dp_draws"]
+            if self.monitor is not None and "monitor" in meta:
+                self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
+                self.monitor.differences = list(meta["monitor"]["differences"])
+            best = checkpoint.section("best")
+            self._best = best or None
+            rows = checkpoint.tensors.get("pending.rows")
+            self._pending, self._pending_index = None, None
+            if rows is not None:
+                # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
+                self.model.train()
+                z = self.model(self.x.index_select(0, rows))
+                if self.dp is not None:
+                    norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
+                    clipped = z * torch.clamp(self.dp.clip / norms, max=1.0)
+                    z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
+                self._pending, self._pending_index = z, rows
+            last = checkpoint.section("last")
+            self._last = None
+            if meta["last_step"] is not None:
+                self._last = (meta["last_step"], last.get("grad"), last.get("rows"), last.get("out"))
+
+    def restore_best(self) -> bool:
+        with self._lock:
+            if self._best is None:
+                return False
+            self.model.load_state_dict(self._best)
+            return True

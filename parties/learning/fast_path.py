@@ -1,0 +1,118 @@
+"""A training step's torch calls without their Python wrappers: the same kernels, in the same order.
+
+On the small models of tabular split learning a step's arithmetic takes a few
+hundred microseconds, and ``nn.Module.__call__``, ``Tensor.backward`` and
+``Optimizer.step`` add a quarter on top (hook checks, argument normalisation,
+profiler records, grouping tensors by device) — more inside a service, whose
+networking pushes that Python out of the caches between steps. Every split
+step waits on it, at the partner and at the bank.
+
+These functions call what those wrappers call, and fall back to the wrappers
+whenever a model or optimiser is anything but what ``parties.learning.model`` builds
+(a plain ``Linear``/``ReLU`` stack without hooks, fused Adam with defaults).
+The results are bit for bit those of the wrappers: ``tests/test_fast_path.py``
+compares them, and the exactness tests compare split training, which uses
+these, with the unsplit model, which does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _module
+from torch.optim import optimizer as _optimizer
+
+__all__ = ["backward", "clear_grads", "forward", "grad", "optimizer_step"]
+
+_engine = torch.autograd.Variable._execution_engine
+_GLOBAL_HOOKS = (
+    _module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
+    _module._global_backward_pre_hooks, _module._global_forward_hooks_always_called,
+)
+
+
+def _plain(model: nn.Module) -> bool:
+    """A ``Sequential`` of ``Linear`` and (not in-place) ``ReLU`` layers, with no hooks anywhere."""
+    if type(model) is not nn.Sequential or any(_GLOBAL_HOOKS):
+        return False
+    layers = list(model)
+    if any(type(m) is not nn.Linear and not (type(m) is nn.ReLU and not m.inplace) for m in layers):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in (model, *layers))
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)``; for a plain MLP, each layer's functional form directly."""
+    if not _plain(model):
+        return model(x)
+    for layer in model:
+        x = F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else torch.relu(x)
+    return x
+
+
+def backward(
+    output: torch.Tensor, grad_output: torch.Tensor | None = None, inputs: Sequence[torch.Tensor] = ()
+) -> None:
+    """``output.backward(grad_output, inputs=inputs)``: accumulate into the leaves' ``.grad``.
+
+    ``grad_output`` may be left out for a scalar ``output``, as with ``backward``.
+    """
+    if grad_output is None:
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    _engine.run_backward((output,), (grad_output,), False, False, tuple(inputs), True, True)
+
+
+def grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor], *, retain_graph: bool) -> tuple[torch.Tensor, ...]:
+    """``torch.autograd.grad(loss, inputs, retain_graph=...)`` for a scalar ``loss``."""
+    ones = torch.ones_like(loss, memory_format=torch.preserve_format)
+    return _engine.run_backward((loss,), (ones,), retain_graph, False, tuple(inputs), False, False)
+
+
+def clear_grads(params: Sequence[torch.Tensor]) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` for these parameters."""
+    for p in params:
+        p.grad = None
+
+
+def _fused_adam(optimizer: torch.optim.Optimizer) -> dict | None:
+    """The one parameter group of a fused Adam with defaults, if that is what ``optimizer`` is."""
+    if type(optimizer) is not torch.optim.Adam or len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    plain = (group["fused"] and not group["amsgrad"] and not group["maximize"] and not group["capturable"]
+             and not group["differentiable"] and not group["decoupled_weight_decay"]
+             and not isinstance(group["lr"], torch.Tensor)
+             and getattr(optimizer, "grad_scale", None) is None and getattr(optimizer, "found_inf", None) is None
+             and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+             and not _optimizer._global_optimizer_pre_hooks
+             and not _optimizer._global_optimizer_post_hooks)
+    return group if plain else None
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``; for fused Adam, its CPU kernel directly.
+
+    The first step (no state yet) goes through ``step()``, which creates the
+    state exactly as usual; so does anything but fused Adam with defaults.
+    """
+    group = _fused_adam(optimizer)
+    if group is None:
+        optimizer.step()
+        return
+    params = [p for p in group["params"] if p.grad is not None]
+    states = [optimizer.state.get(p) for p in params]
+    if not params or not all(states) or any(p.device.type != "cpu" or p.is_complex() for p in params):
+        optimizer.step()
+        return
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1)
+    beta1, beta2 = group["betas"]
+    torch._fused_adam_(
+        params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+        steps, amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=False, grad_scale=None, found_inf=None,
+    )

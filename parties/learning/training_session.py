@@ -1,0 +1,145 @@
+"""One party's side of a training session: encoder fitted on its own training rows, bottom model, files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save as save_tensors
+
+from parties.errors import BadMessage, OutOfOrder, StorageError
+from parties.learning.bottom import BottomTrainer
+from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.hijack_monitor import MonitorConfig
+from parties.learning.model import BottomConfig
+from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
+from parties.storage.files import atomic_write_bytes, atomic_write_text
+from parties.tables.encoding import TabularEncoder
+from parties.tables.table import AlignedRows, PartyTable
+
+__all__ = ["PartySession"]
+
+logger = logging.getLogger(__name__)
+
+
+class PartySession:
+    """Created when the bank starts training; owns this party's encoder and bottom trainer."""
+
+    def __init__(
+        self,
+        session_id: str,
+        table: PartyTable,
+        alignment: AlignedRows,
+        train_positions: torch.Tensor,
+        config: BottomConfig,
+        privacy: PrivacyConfig | None = None,
+        monitor: MonitorConfig | None = None,
+    ) -> None:
+        n = len(alignment)
+        if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
+            raise BadMessage("train_rows must be a non-empty 1-D int64 tensor")
+        positions = train_positions.numpy()
+        if positions.min() < 0 or positions.max() >= n or len(np.unique(positions)) != len(positions):
+            raise BadMessage(f"train_rows must be distinct positions in [0, {n})")
+        self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
+        self.train_digest = _digest(train_positions)
+        self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
+        self.owner = ""  # the bank that started it
+        aligned = table.features.iloc[alignment.rows]
+        self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
+        self.privacy, self.monitor = privacy, monitor
+        self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor)
+        self.writer = CheckpointWriter()
+        self.last_used = time.monotonic()
+        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
+                    session_id, n, self.encoder.width, config.cut_width)
+
+    def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
+        """Whether this session was started with these arguments."""
+        return alignment_id == self.alignment_id and self.train_digest == _digest(train_positions)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self, folder: Path, floor: int | None = None) -> int:
+        """Snapshot the state after the last processed step and write it in the background; returns that step.
+
+        ``floor``: the newest step every party has on disk; older checkpoints may be deleted."""
+        tensors, trainer_meta = self.trainer.state()
+        step = trainer_meta["next_step"] - 1
+        meta = {"session": self.session_id, "alignment_id": self.alignment_id, "trainer": trainer_meta,
+                "train_digest": self.train_digest, "owner": self.owner,
+                "encoder": self.encoder.to_dict(), "config": self.config.model_dump(mode="json"),
+                "privacy": self.privacy.model_dump(mode="json") if self.privacy is not None else None,
+                "monitor": self.monitor.model_dump(mode="json") if self.monitor is not None else None}
+        self.writer.submit(folder, step, tensors, meta, floor)
+        return step
+
+    def flush_checkpoints(self) -> None:
+        """Wait until every checkpoint taken so far is on disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def restore(self, folder: Path, step: int) -> None:
+        """Roll this session back (or forward) to its checkpoint at ``step``."""
+        self.writer.flush()
+        if step not in (held := checkpoint_steps(folder)):
+            raise OutOfOrder(f"training session {self.session_id} has no checkpoint at step {step} to roll back "
+                             f"to; this party holds steps {held}")
+        checkpoint = read_checkpoint(folder, step)
+        if checkpoint.meta["session"] != self.session_id:
+            raise BadMessage(f"the checkpoint at step {step} belongs to another session")
+        self.trainer.load_state(checkpoint, checkpoint.meta["trainer"])
+        self.writer.reset(step)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, step: int, table: PartyTable, alignment: AlignedRows) -> PartySession:
+        """Rebuild a session after a restart, from its own checkpoint and this party's own table."""
+        checkpoint = read_checkpoint(folder, step)
+        meta = checkpoint.meta
+        if meta["alignment_id"] != alignment.alignment_id:
+            raise BadMessage(f"the checkpoint is for alignment {meta['alignment_id']}, not {alignment.alignment_id}")
+        self = cls.__new__(cls)
+        self.session_id, self.alignment_id = meta["session"], meta["alignment_id"]
+        self.config = BottomConfig.model_validate(meta["config"])
+        self.privacy = PrivacyConfig.model_validate(meta["privacy"]) if meta.get("privacy") else None
+        self.monitor = MonitorConfig.model_validate(meta["monitor"]) if meta.get("monitor") else None
+        self.encoder = TabularEncoder.from_dict(meta["encoder"])
+        features = self.encoder.transform(table.features.iloc[alignment.rows])
+        self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor)
+        self.trainer.load_state(checkpoint, meta["trainer"])
+        self.train_digest, self.restarted_at, self.owner = meta.get("train_digest"), step, meta.get("owner", "")
+        self.writer = CheckpointWriter()
+        self.writer.durable = step
+        self.last_used = time.monotonic()
+        logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
+        return self
+
+    def save(self, directory: Path) -> dict[str, str]:
+        """Write this party's own model files; return ``{file name: sha256}``."""
+        blobs = {
+            "bottom.safetensors": save_tensors(
+                {k: v.contiguous() for k, v in self.trainer.model.state_dict().items()},
+                metadata={"session": self.session_id, "alignment": self.alignment_id},
+            ),
+            "encoder.json": json.dumps(self.encoder.to_dict(), indent=2).encode(),
+            "bottom-config.json": self.config.model_dump_json(indent=2).encode(),
+        }
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+        try:
+            for name, data in blobs.items():
+                atomic_write_bytes(Path(directory) / name, data)
+            atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+        except OSError as exc:
+            raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
+        return digests
+
+
+def _digest(positions: torch.Tensor) -> str:
+    return hashlib.sha256(positions.numpy().astype("<i8").tobytes()).hexdigest()

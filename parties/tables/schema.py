@@ -1,0 +1,95 @@
+"""A party's table schema: its ID column, its label (the bank's), and the kind of every feature column.
+
+Inferred once from the data with explicit overrides, written beside the data as
+``<file>.schema.json`` for a person to read and edit, and read back by every
+step that loads the table. The kinds and the categories fitted on the training
+rows then travel with the model (``encoder.json``, hashed into the manifest), so
+scoring reads new rows the way training did.
+
+Policies for values training never saw are part of the schema's meaning:
+an unseen or missing category encodes as the one-hot's all-zero "unknown" slot,
+a missing number as the training mean; scoring counts every value that took one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from parties.errors import DataError
+from parties.storage.files import atomic_write_text
+
+__all__ = ["DEFAULT_ID_COLUMN", "DEFAULT_LABEL", "POLICIES", "PartySchema", "infer_kinds", "read_schema", "sidecar_path"]
+
+DEFAULT_ID_COLUMN = "customer_id"
+DEFAULT_LABEL = "y"
+
+#: What a value training never saw becomes; recorded in every schema file so the reader knows.
+POLICIES = {
+    "unseen_category": "all-zero one-hot (the 'unknown' slot), counted",
+    "missing_category": "all-zero one-hot (the 'unknown' slot), counted",
+    "missing_number": "the mean of the training rows' values, counted",
+}
+
+
+class PartySchema(BaseModel):
+    """The schema file's content; older files without a version or policies read as version 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    id_column: str = DEFAULT_ID_COLUMN
+    label_column: str | None = None
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+    policies: dict[str, str] = POLICIES
+
+    def write(self, path: Path) -> None:
+        atomic_write_text(path, self.model_dump_json(indent=2) + "\n")
+
+
+def sidecar_path(data: Path) -> Path:
+    """``<file>.schema.json`` beside a party's data file."""
+    return Path(data).with_suffix(".schema.json")
+
+
+def read_schema(path: Path) -> PartySchema | None:
+    """The schema in ``path``, or ``None`` if there is no such file; an unreadable one is a clear error."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return PartySchema.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors())
+        raise DataError(f"{path}: not a valid schema file ({problems})") from exc
+
+
+def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Sequence[str] = (),
+                numeric: Sequence[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(numeric, categorical): a column is numeric when every value present parses as a number, unless overridden.
+
+    Integer codes (a sex, a status, a region code) parse as numbers; name them with ``categorical``.
+    """
+    unknown = sorted((set(categorical) | set(numeric)) - set(columns))
+    if unknown:
+        raise DataError(f"column overrides name columns the table does not have: {unknown} (columns: {', '.join(columns)})")
+    both = sorted(set(categorical) & set(numeric))
+    if both:
+        raise DataError(f"columns declared both categorical and numeric: {both}")
+    kinds = {}
+    for col in columns:
+        if col in categorical:
+            kinds[col] = "categorical"
+        elif col in numeric:
+            kinds[col] = "numeric"
+        else:
+            text = frame[col].astype(str).str.strip()
+            present = text[text != ""]  # a missing value says nothing about the column's kind
+            parsed = pd.to_numeric(present, errors="coerce")
+            kinds[col] = "numeric" if len(present) and parsed.notna().all() else "categorical"
+    return (tuple(c for c in columns if kinds[c] == "numeric"), tuple(c for c in columns if kinds[c] == "categorical"))

@@ -1,0 +1,268 @@
+"""A party's own table: loaded once, validated strictly, never sent anywhere.
+
+Errors name the file, the column and a row number (1-based, counting the
+header as row 1), never a customer ID or a value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_tensors
+
+from parties.errors import DataError
+from parties.storage.files import atomic_write_bytes
+from parties.tables.ids import normalize_id
+from parties.tables.schema import DEFAULT_ID_COLUMN, DEFAULT_LABEL, PartySchema, infer_kinds, read_schema, sidecar_path
+
+__all__ = [
+    "AlignedRows",
+    "FeatureSchema",
+    "PartyTable",
+    "load_alignment",
+    "load_party_table",
+    "read_table_text",
+    "save_alignment",
+    "sniff_separator",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """Which of a party's columns are numeric and which categorical."""
+
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.numeric + self.categorical
+
+
+@dataclass(frozen=True)
+class PartyTable:
+    path: Path
+    id_column: str
+    ids: tuple[str, ...]
+    features: pd.DataFrame
+    schema: FeatureSchema
+    labels: pd.Series | None = None
+    normalized_ids: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def sniff_separator(path: Path) -> str:
+    """``;`` or ``,``, whichever the header line uses more."""
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        header = f.readline()
+    return ";" if header.count(";") > header.count(",") else ","
+
+
+def _row(position: int) -> int:
+    return position + 2  # 1-based, after the header line
+
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def read_table_text(path: Path) -> pd.DataFrame:
+    """A CSV (``;`` or ``,``; any line ending) or Parquet file, every cell as text, missing cells as ``""``.
+
+    Text first, types second: the party's schema decides what a column is, not
+    the reader's guess, so a table means the same whichever format it came in.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() in PARQUET_SUFFIXES or magic == b"PAR1":
+            return _parquet_as_text(path)
+        return pd.read_csv(path, dtype=str, keep_default_na=False, sep=sniff_separator(path))
+    except pd.errors.EmptyDataError as exc:
+        raise DataError(f"{path}: the file is empty") from exc
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
+
+
+def _parquet_as_text(path: Path) -> pd.DataFrame:
+    frame = pd.read_parquet(path)
+    out = pd.DataFrame(index=frame.index)
+    for col in frame.columns:
+        values = frame[col]
+        if pd.api.types.is_float_dtype(values):
+            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v)))
+        else:
+            text = values.map(lambda v: "" if v is None or (isinstance(v, float) and pd.isna(v)) or v is pd.NA else str(v))
+        out[str(col)] = text.astype(object)
+    return out
+
+
+def load_party_table(
+    path: Path,
+    id_column: str | None = None,
+    label_column: str | None = None,
+    schema_path: Path | None = None,
+    *,
+    labelled: bool = False,
+    categorical: Sequence[str] = (),
+    numeric: Sequence[str] = (),
+    schema: FeatureSchema | None = None,
+    missing_numbers: bool = True,
+) -> PartyTable:
+    """Load and validate a party's table (CSV or Parquet).
+
+    The ID column is ``id_column``, else the schema file's, else ``customer_id``;
+    with ``labelled`` (the bank) the label is ``label_column``, else the schema
+    file's, else ``y``. The feature kinds are ``schema`` (a trained model's, at
+    scoring), else the schema file (``schema_path``, else ``<file>.schema.json``
+    beside the data), else inferred; ``categorical``/``numeric`` override either.
+    ``missing_numbers``: an empty numeric cell is kept as missing (the
+    encoder imputes the training mean, and counts it); ``False`` refuses it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    sidecar_file = Path(schema_path) if schema_path is not None else sidecar_path(path)
+    if schema_path is not None and not sidecar_file.exists():
+        raise DataError(f"{sidecar_file}: no such schema file")
+    declared = read_schema(sidecar_file) if schema is None else None
+    id_column = id_column or (declared.id_column if declared else DEFAULT_ID_COLUMN)
+    if labelled and label_column is None:
+        label_column = declared.label_column if declared and declared.label_column else DEFAULT_LABEL
+    frame = read_table_text(path)
+    if frame.empty:
+        raise DataError(f"{path}: the file has a header but no rows")
+    columns = list(frame.columns)
+    for role, col in (("ID", id_column), ("label", label_column)):
+        if col is not None and col not in frame.columns:
+            raise DataError(f"{path}: no {role} column {col!r} (columns: {', '.join(columns)})")
+
+    raw_ids = frame[id_column]
+    blank = raw_ids.str.strip() == ""
+    if blank.any():
+        raise DataError(f"{path}: column {id_column!r} is empty at row {_row(int(blank.to_numpy().argmax()))}")
+    normalized = [normalize_id(i) for i in raw_ids]
+    seen: dict[bytes, int] = {}
+    for pos, key in enumerate(normalized):
+        if key in seen:
+            raise DataError(
+                f"{path}: column {id_column!r} has duplicate IDs (rows {_row(seen[key])} and {_row(pos)}, "
+                "after stripping white space and Unicode NFC)"
+            )
+        seen[key] = pos
+
+    labels = None
+    if label_column is not None:
+        labels = frame[label_column]
+        missing = labels.str.strip() == ""
+        if missing.any():
+            raise DataError(
+                f"{path}: column {label_column!r} has no label at row {_row(int(missing.to_numpy().argmax()))}"
+            )
+
+    feature_cols = [c for c in columns if c not in (id_column, label_column)]
+    if schema is None:
+        schema = _feature_schema(path, sidecar_file, declared, frame, feature_cols, categorical, numeric)
+    else:
+        absent = [c for c in schema.columns if c not in frame.columns]
+        if absent:
+            raise DataError(f"{path}: the model needs the columns {absent} (columns: {', '.join(columns)})")
+    features = frame[list(schema.columns)].copy()
+    for col in schema.numeric:
+        text = features[col].str.strip()
+        parsed = pd.to_numeric(text, errors="coerce")
+        empty = (text == "").to_numpy()
+        kinds = {"empty": empty & ~missing_numbers, "text": parsed.isna().to_numpy() & ~empty,
+                 "infinite": np.isinf(parsed.to_numpy(dtype=np.float64))}
+        bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
+        if bad:
+            problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
+                                 for kind, mask in bad.items())
+            raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
+                            f"{problems}")
+        features[col] = parsed.astype("float64")
+    logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
+    for col in schema.numeric:
+        missing = int(features[col].isna().sum())
+        if missing:
+            logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
+                        path.name, col, missing)
+    return PartyTable(
+        path=path,
+        id_column=id_column,
+        ids=tuple(raw_ids),
+        features=features,
+        schema=schema,
+        labels=labels,
+        normalized_ids=tuple(normalized),
+    )
+
+
+def _feature_schema(path: Path, sidecar: Path, declared: PartySchema | None, frame: pd.DataFrame,
+                    feature_cols: list[str], categorical: Sequence[str], numeric: Sequence[str]) -> FeatureSchema:
+    if declared is None:
+        return FeatureSchema(*infer_kinds(frame, feature_cols, categorical=categorical, numeric=numeric))
+    for col in declared.numeric + declared.categorical:
+        if col not in frame.columns:
+            raise DataError(f"{path}: column {col!r} named in {sidecar.name} is missing from the file")
+    listed = [c for c in feature_cols if c in declared.numeric + declared.categorical]
+    overrides_unknown = sorted((set(categorical) | set(numeric)) - set(listed))
+    if overrides_unknown:
+        raise DataError(f"{path}: --categorical/--numeric name columns {sidecar.name} does not list: {overrides_unknown}")
+    kinds = {c: "numeric" for c in declared.numeric} | {c: "categorical" for c in declared.categorical}
+    kinds |= {c: "categorical" for c in categorical} | {c: "numeric" for c in numeric}
+    return FeatureSchema(tuple(c for c in listed if kinds[c] == "numeric"),
+                         tuple(c for c in listed if kinds[c] == "categorical"))
+
+
+@dataclass(frozen=True)
+class AlignedRows:
+    """The outcome of alignment at one party: its own row indices, in the order every party shares."""
+
+    alignment_id: str
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _table_digest(table: PartyTable) -> str:
+    h = hashlib.sha256()
+    for i in table.normalized_ids:
+        h.update(len(i).to_bytes(4, "little") + i)
+    return h.hexdigest()
+
+
+def save_alignment(folder: Path, table: PartyTable, alignment: AlignedRows) -> None:
+    """Keep the committed alignment on this party's disk, so a restarted service still has it."""
+    blob = save_tensors(
+        {"rows": torch.from_numpy(np.ascontiguousarray(alignment.rows, dtype=np.int64))},
+        metadata={"alignment_id": alignment.alignment_id, "table": _table_digest(table)},
+    )
+    atomic_write_bytes(Path(folder) / "alignment.safetensors", blob)
+
+
+def load_alignment(folder: Path, table: PartyTable) -> AlignedRows | None:
+    """The alignment saved by ``save_alignment``, if it was made on this very table."""
+    path = Path(folder) / "alignment.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        rows = f.get_tensor("rows").numpy()
+    if meta.get("table") != _table_digest(table):
+        logger.warning("ignoring the saved alignment: it was made on another version of %s", table.path.name)
+        return None
+    return AlignedRows(meta["alignment_id"], rows)

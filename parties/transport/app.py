@@ -1,0 +1,125 @@
+"""The app factory every party service uses: error mapping, caller identity, common endpoints.
+
+Routes stay thin: they check who calls, read the body within limits and call
+plain Python. Domain errors become HTTP responses here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from parties.errors import CutlayerError, Forbidden
+from parties.protocol.messages import Identity
+from parties.settings import ServiceSettings
+from parties.transport.access import CLOSING_STATUSES, ensure_role, identify, read_limited
+from parties.transport.hot_routes import HotPath, HotRoute
+from parties.transport.tls import PeerIdentity
+
+__all__ = ["PartyApp", "caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
+
+logger = logging.getLogger(__name__)
+
+
+# Dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in a
+# worker thread, a hop that costs more than the check itself on every training step.
+
+
+async def caller(request: Request) -> PeerIdentity:
+    """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
+    return identify(request.app.state.settings, request.scope)
+
+
+def require_role(role: str) -> Callable[..., PeerIdentity]:
+    """A dependency that admits callers whose certificate names ``role``."""
+
+    async def check(identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+        return ensure_role(identity, role)
+
+    return check
+
+
+async def require_self(request: Request, identity: PeerIdentity = Depends(caller)) -> PeerIdentity:
+    """Admit only this party's own operator (a client holding this party's certificate)."""
+    settings: ServiceSettings = request.app.state.settings
+    if (identity.name, identity.role) != (settings.name, settings.role):
+        raise Forbidden(f"this endpoint is for {settings.name}'s own operator")
+    return identity
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
+    return await read_limited(request.stream(), request.headers.get("content-length"), limit)
+
+
+class PartyApp(FastAPI):
+    """A FastAPI app that answers its hot routes (``parties.transport.hot_routes``) before its middleware stack."""
+
+    hot: HotPath | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.hot is not None and (found := self.hot.match(scope)) is not None:
+            await self.hot.handle(*found, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _error(status: int, kind: str, detail: str) -> JSONResponse:
+    # ``connection: close`` makes uvicorn close the connection once answered, instead of reading on.
+    headers = {"connection": "close"} if status in CLOSING_STATUSES else None
+    return JSONResponse(status_code=status, content={"error": kind, "detail": detail}, headers=headers)
+
+
+def create_party_app(
+    settings: ServiceSettings,
+    *,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]],
+    routers: Sequence[APIRouter],
+    hot_routes: Sequence[HotRoute] = (),
+) -> FastAPI:
+    app = PartyApp(title=f"Cutlayer {settings.role} service ({settings.name})", lifespan=lifespan)
+    app.state.settings = settings
+    if hot_routes:
+        app.hot = HotPath(hot_routes, settings, app.state)
+
+    @app.exception_handler(CutlayerError)
+    async def _domain_error(request: Request, exc: CutlayerError) -> JSONResponse:
+        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
+            peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+            logger.warning("%s %s from %s refused: %s", request.method, request.url.path, peer, exc)
+        else:
+            logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
+        return _error(exc.status_code, type(exc).__name__, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return _error(422, "InvalidRequest", problems)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error(500, "InternalError", "the service failed; see its log")
+
+    common = APIRouter()
+
+    @common.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @common.get("/identity", response_model=Identity)
+    async def identity(_: PeerIdentity = Depends(caller)) -> Identity:
+        return Identity(name=settings.name, role=settings.role)
+
+    app.include_router(common)
+    for router in routers:
+        app.include_router(router)
+    return app

@@ -1,0 +1,204 @@
+"""Per-step endpoints, answered before FastAPI's middleware stack and router, and below ASGI where possible.
+
+A training step is one small request, sent thousands of times per epoch, and
+the bank waits for every answer. FastAPI's middleware, router and request
+objects cost more per call than the step's own checks, and so do ASGI's
+per-request task, events and two writes for a response's head and body. A
+``HotRoute`` is matched on its path first and gets exactly the same treatment
+as any other route: the caller is identified from the same certificate
+(``parties.transport.access.identify``), the body is held to the same limit, and domain
+errors become the same JSON answers with the same status codes.
+
+A ``HotExchange`` is one such request, fed its body as it arrives. The
+service's HTTP protocol (``parties.transport.server``) drives it directly from the
+parser's callbacks and writes the answer in one piece; ``HotPath.handle``
+drives the same exchange through ASGI, for any other server. Everything
+else goes to the FastAPI app unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from starlette.datastructures import State
+from starlette.routing import compile_path
+
+from parties.errors import CutlayerError, PayloadTooLarge
+from parties.settings import ServiceSettings
+from parties.transport.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify
+from parties.transport.tls import PeerIdentity
+
+__all__ = ["HotExchange", "HotPath", "HotRequest", "HotResponse", "HotRoute"]
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HotRequest:
+    caller: PeerIdentity
+    params: dict[str, str]
+    body: bytes
+    state: State  # the app's state: the party's core lives here
+
+
+@dataclass(frozen=True)
+class HotResponse:
+    """``after``: work to run once the answer is on its way (the caller no longer waits for it)."""
+
+    body: bytes
+    content_type: str
+    status: int = 200
+    after: Callable[[], None] | None = None
+
+    def run_after(self, scope: Scope) -> None:
+        if self.after is None:
+            return
+        try:
+            self.after()
+        except Exception:
+            logger.exception("after answering %s %s", scope["method"], scope["path"])
+
+    @property
+    def closes(self) -> bool:
+        """Whether the connection closes after this answer (``parties.transport.access.CLOSING_STATUSES``)."""
+        return self.status in CLOSING_STATUSES
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
+        if self.closes:
+            headers.append((b"connection", b"close"))
+        return headers
+
+    def http(self, extra: Sequence[tuple[bytes, bytes]] = (), *, close: bool = False) -> bytes:
+        """The whole HTTP/1.1 response, head and body, to write at once."""
+        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, HTTPStatus(self.status).phrase.encode("latin-1"))]
+        lines += [b"%s: %s\r\n" % kv for kv in (*extra, *self.headers())]
+        if close and not self.closes:
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        return b"".join([*lines, self.body])
+
+
+@dataclass(frozen=True)
+class HotRoute:
+    """``handler`` answers ``method path`` for callers whose certificate names ``role``.
+
+    The handler is a plain function: it runs on the event loop, as a step's
+    small forward and backward do (a thread hop costs more than the step).
+    """
+
+    method: str
+    path: str
+    role: str
+    handler: Callable[[HotRequest], HotResponse]
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        return compile_path(self.path)[0]
+
+
+class HotExchange:
+    """One request to a hot route: checked on its head, fed its body, answered once.
+
+    ``answer`` is set as soon as the answer is known: at once for a caller
+    who may not call, or a declared length over the limit; on the chunk that
+    passes the limit; otherwise by ``finish``.
+    """
+
+    def __init__(self, path: HotPath, route: HotRoute, params: dict[str, str], scope: Scope) -> None:
+        self.path, self.route, self.params, self.scope = path, route, params, scope
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.answer: HotResponse | None = None
+        if scope["method"] != route.method:
+            self.answer = _error(405, "MethodNotAllowed", f"{scope['path']} answers {route.method} only")
+            return
+        try:
+            self.caller = ensure_role(identify(path.settings, scope), route.role)
+            declared = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+            check_declared_length(declared, path.settings.max_body_bytes)
+        except CutlayerError as exc:
+            self.answer = self._refusal(exc)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.answer is not None or not chunk:
+            return
+        self.size += len(chunk)
+        if self.size > self.path.settings.max_body_bytes:
+            self.parts = []
+            limit = self.path.settings.max_body_bytes
+            self.answer = self._refusal(PayloadTooLarge(f"body is over the limit of {limit} bytes"))
+            return
+        self.parts.append(chunk)
+
+    def finish(self) -> HotResponse:
+        if self.answer is None:
+            body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            self.parts = []
+            try:
+                self.answer = self.route.handler(HotRequest(self.caller, self.params, body, self.path.state))
+            except CutlayerError as exc:
+                self.answer = self._refusal(exc)
+            except Exception:
+                logger.exception("unexpected error in %s %s", self.scope["method"], self.scope["path"])
+                self.answer = _error(500, "InternalError", "the service failed; see its log")
+        return self.answer
+
+    def _refusal(self, exc: CutlayerError) -> HotResponse:
+        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
+            client = self.scope.get("client")
+            peer = f"{client[0]}:{client[1]}" if client else "?"
+            logger.warning("%s %s from %s refused: %s", self.scope["method"], self.scope["path"], peer, exc)
+        else:
+            logger.info("%s %s refused: %s", self.scope["method"], self.scope["path"], type(exc).__name__)
+        return _error(exc.status_code, type(exc).__name__, str(exc))
+
+
+class HotPath:
+    """Answers the hot routes' paths (any other method gets 405); ``None`` from ``match``: the app's."""
+
+    def __init__(self, routes: Sequence[HotRoute], settings: ServiceSettings, state: State) -> None:
+        self.routes = [(r, r.pattern) for r in routes]
+        self.settings, self.state = settings, state
+
+    def match(self, scope: Scope) -> tuple[HotRoute, dict[str, str]] | None:
+        if scope["type"] != "http":
+            return None
+        for route, pattern in self.routes:
+            if m := pattern.match(scope["path"]):
+                return route, m.groupdict()
+        return None
+
+    def begin(self, scope: Scope) -> HotExchange | None:
+        """An exchange for a request to a hot path (its head in ``scope``), or ``None`` for the app's."""
+        found = self.match(scope)
+        return None if found is None else HotExchange(self, *found, scope)
+
+    async def handle(self, route: HotRoute, params: dict[str, str], scope: Scope, receive: Receive, send: Send) -> None:
+        """The exchange through ASGI, for servers other than this project's own protocol."""
+        exchange = HotExchange(self, route, params, scope)
+        more = exchange.answer is None
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client went away; nobody to answer
+            exchange.feed(message.get("body", b""))
+            more = message.get("more_body", False) and exchange.answer is None
+        response = exchange.finish()
+        await send({"type": "http.response.start", "status": response.status, "headers": response.headers()})
+        await send({"type": "http.response.body", "body": response.body})
+        response.run_after(scope)
+
+
+def _error(status: int, kind: str, detail: str) -> HotResponse:
+    return HotResponse(json.dumps({"error": kind, "detail": detail}).encode(), "application/json", status)

@@ -1,0 +1,87 @@
+"""Long work behind an HTTP resource: start it, poll its progress, read its result."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from parties.errors import CutlayerError, OutOfOrder, UnknownSession
+from parties.protocol.messages import JobStatus
+
+__all__ = ["Job", "JobRunner", "Progress"]
+
+logger = logging.getLogger(__name__)
+
+class Progress(Protocol):
+    def __call__(self, message: str, fraction: float | None = None) -> None: ...
+
+
+@dataclass
+class Job:
+    kind: str
+    job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: str = "pending"
+    progress: str = ""
+    fraction: float | None = None
+    error: str | None = None
+    result: dict[str, Any] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def status(self) -> JobStatus:
+        return JobStatus(
+            job_id=self.job_id,
+            kind=self.kind,
+            state=self.state,  # type: ignore[arg-type]
+            progress=self.progress,
+            fraction=self.fraction,
+            error=self.error,
+            result=self.result,
+        )
+
+
+class JobRunner:
+    """Runs one job of each kind at a time, each in its own thread."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, kind: str, work: Callable[[Progress], dict[str, Any]]) -> Job:
+        with self._lock:
+            if any(j.kind == kind and not j.done.is_set() for j in self._jobs.values()):
+                raise OutOfOrder(f"a {kind} job is already running")
+            job = Job(kind)
+            self._jobs[job.job_id] = job
+
+        def say(message: str, fraction: float | None = None) -> None:
+            job.progress = message
+            if fraction is not None:
+                job.fraction = fraction
+
+        def run() -> None:
+            job.state = "running"
+            try:
+                job.result = work(say)
+                job.fraction = 1.0
+                job.state = "succeeded"
+            except CutlayerError as exc:
+                job.error, job.state = str(exc), "failed"
+                logger.warning("%s job %s failed: %s", kind, job.job_id, exc)
+            except Exception as exc:  # a bug: keep the service up, say so, keep the traceback in the log
+                job.error, job.state = f"unexpected {type(exc).__name__}; see the service log", "failed"
+                logger.exception("%s job %s crashed", kind, job.job_id)
+            finally:
+                job.done.set()
+
+        threading.Thread(target=run, name=f"{kind}-{job.job_id[:8]}", daemon=True).start()
+        return job
+
+    def get(self, job_id: str) -> Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise UnknownSession(f"no job {job_id}") from None
