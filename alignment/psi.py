@@ -55,6 +55,7 @@ from parties.errors import (
     PeerError,
     UnknownSession,
 )
+from parties.protocol.psi import MAX_CHUNK_ITEMS, MAX_IDS, PROTOCOL_VERSION  # the wire's version and bound
 
 __all__ = [
     "CHUNK_ITEMS",
@@ -73,14 +74,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: 2: one-sided output, shuffled sets, the bank receives before it sends anything echoable.
-PROTOCOL_VERSION = 2
 TRUNCATED_BYTES = 12
 #: IDs per chunk on the wire: 2 MiB of 32-byte points.
 CHUNK_ITEMS = 1 << 16
-MAX_CHUNK_ITEMS = 1 << 18
-#: The most IDs either side of a session accepts from the other (the protocol's bound; policies are lower).
-MAX_IDS = 1 << 26
 
 
 def n_chunks(count: int, chunk_items: int) -> int:

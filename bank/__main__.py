@@ -32,7 +32,7 @@ from parties.cli import (
 )
 from parties.errors import ConfigError
 from parties.learning.model import BottomConfig
-from parties.protocol.messages import AlignmentRequest, JobStatus
+from parties.protocol.control import AlignmentRequest, JobStatus
 from parties.settings import BankSettings, describe_problems, load_settings
 from parties.storage.files import atomic_write_text
 from parties.transport.server import serve

@@ -7,6 +7,7 @@ import logging
 import shutil
 import threading
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from bank.subsets import train_subset_models
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
-from parties.protocol.messages import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
+from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.settings import BankSettings
 from parties.storage.files import atomic_write_bytes, atomic_write_text
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
@@ -140,8 +141,8 @@ class BankCore:
         alignment = self.alignment
         assert alignment is not None
         runs = self.settings.state_path / "runs"
-        with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
-            partners = list(self._proxies(client, list(urls)).values())
+        with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
+            partners = [proxies.enter_context(p) for p in self._proxies(client, list(urls)).values()]
             self._release_abandoned(partners)
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
@@ -250,6 +251,7 @@ class BankCore:
     # --- scoring ------------------------------------------------------------------------------
 
     def _proxies(self, client: httpx.Client, names: list[str]) -> dict[str, HttpPartner]:
+        """A proxy per partner, each with its own step connection: the caller closes them with the job."""
         me = PeerIdentity(self.settings.name, "bank")
         urls = self.partners(names)
         return {
@@ -272,8 +274,9 @@ class BankCore:
               progress: Progress) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
-        with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
-            result = score_customers(table, model_dir, self.settings.name, self._proxies(client, names), self.pool,
+        with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
+            partners = {n: proxies.enter_context(p) for n, p in self._proxies(client, names).items()}
+            result = score_customers(table, model_dir, self.settings.name, partners, self.pool,
                                      allow_missing=allow_missing, progress=progress)
         scores = result.table
         out = upload.with_name("scores.csv")

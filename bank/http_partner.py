@@ -1,10 +1,15 @@
-"""The bank's view of the other parties: proxies with one contract, over HTTP or in process.
+"""The bank's proxy for a partner service: the one place that knows HTTP, retries and connections.
 
-For alignment the coordinator sees the ``PsiPeer`` contract (``alignment.in_process``
-has the in-process implementation); for training it sees ``TrainingParty``,
-implemented here by ``HttpPartner`` (a partner service) and in
-``bank.in_process`` by ``InProcessParty`` (the bank's own bottom model, or any
-party's session called directly). The same contract tests run against both.
+The coordinator sees only ``bank.party.TrainingParty`` (for PSI, the
+``alignment.psi.PsiPeer`` contract; for scoring, ``bank.party.ScoringParty``).
+``HttpPartner`` implements all three over mutual TLS, with the messages and
+routes of ``parties.protocol``: it owns the retry policy (tenacity, one
+policy), its connections (an httpx client and, for steps, a kept-alive
+``Channel``; ``close`` or a ``with`` block ends them with the job), the byte
+and round-trip counts, and the mapping of a partner's refusals to
+``parties.errors``. ``bank.in_process.InProcessParty`` implements
+``TrainingParty`` in the bank's own process; the same contract tests run
+against both.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from types import TracebackType
 from typing import NoReturn, TypeVar
 
 import httpx
@@ -24,6 +30,7 @@ from alignment.curve import POINT_BYTES
 from alignment.psi import CHUNK_ITEMS, TRUNCATED_BYTES, SessionInfo
 from parties.errors import (
     AlignmentMismatch,
+    BadMessage,
     Behind,
     IntersectionTooSmall,
     NotReady,
@@ -34,24 +41,10 @@ from parties.errors import (
     StorageError,
     UnknownSession,
 )
-from parties.protocol.messages import (
-    ALIGNMENT_HEADER,
-    OCTET_STREAM,
-    PURPOSE_HEADER,
-    AlignmentInfo,
-    CheckpointList,
-    FinishRequest,
-    LoadModelRequest,
-    ModelFiles,
-    PrivacyReport,
-    PsiOpenRequest,
-    PsiOpenResponse,
-    RestoreRequest,
-    SessionList,
-    TrainSessionInfo,
-)
-from parties.protocol.wire import SAFETENSORS, WireMessage, decode, encode
-from parties.tables.encoding import Fallbacks, parse_fallbacks
+from parties.protocol import control, psi, scoring, training
+from parties.protocol.common import OCTET_STREAM, fill
+from parties.protocol.wire import SAFETENSORS
+from parties.tables.encoding import Fallbacks
 from parties.transport.channel import Channel
 from parties.transport.client import expect_server
 from parties.transport.tls import handshake_failure
@@ -100,6 +93,8 @@ class HttpPartner:
         wait_deadline: float = 600.0,
         retry_deadline: float = 60.0,
     ) -> None:
+        """``client`` carries every call but steps (and steps too without ``channel``); the caller owns the
+        client, this proxy owns ``channel`` and closes it in ``close``."""
         self.name, self.url, self.client, self.channel = name, url.rstrip("/"), client, channel
         self.wait_deadline = wait_deadline
         self.retry_deadline = retry_deadline  # how long a silent partner is retried before giving up
@@ -112,6 +107,26 @@ class HttpPartner:
         self._chunk_items = CHUNK_ITEMS  # the PSI chunk size agreed at the last open
         self.durable: int | None = None  # the newest step the partner says it has on disk
 
+    def close(self) -> None:
+        """Close this proxy's step connection (the job is over); the next step would open a new one."""
+        if self.channel is not None:
+            self.channel.close()
+
+    def __enter__(self) -> HttpPartner:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _answered(self, status: int, sent: int, content: bytes, what: str) -> bytes:
+        """Every answer, whichever connection brought it: counted once, and a refusal raised as its error."""
+        self.round_trips += 1
+        self.bytes_sent += sent
+        self.bytes_received += len(content)
+        if not 200 <= status < 300:
+            self._refused(status, content, what)
+        return content
+
     def _unreachable(self, exc: httpx.HTTPError, what: str) -> PeerError:
         untrusted = handshake_failure(exc)
         if untrusted:
@@ -123,11 +138,7 @@ class HttpPartner:
             response = self.client.request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
             raise self._unreachable(exc, what) from exc
-        self.bytes_sent += len(response.request.content or b"")
-        self.bytes_received += len(response.content)
-        self.round_trips += 1
-        if not response.is_success:
-            self._refused(response.status_code, response.content, what)
+        self._answered(response.status_code, len(response.request.content or b""), response.content, what)
         return response
 
     def _refused(self, status: int, content: bytes, what: str) -> NoReturn:
@@ -160,11 +171,7 @@ class HttpPartner:
                         raise PeerError(f"partner {self.name!r} sent more than the {cap} bytes agreed for {what}")
         except httpx.HTTPError as exc:
             raise self._unreachable(exc, what) from exc
-        self.bytes_received += len(body)
-        self.round_trips += 1
-        if not response.is_success:
-            self._refused(response.status_code, bytes(body), what)
-        return bytes(body)
+        return self._answered(response.status_code, 0, bytes(body), what)
 
     def _get_when_ready(self, path: str, what: str, limit: int) -> bytes:
         deadline = time.monotonic() + self.wait_deadline
@@ -176,10 +183,10 @@ class HttpPartner:
                     raise PeerError(f"partner {self.name!r} was not ready with {what} in {self.wait_deadline:.0f}s")
 
     def open(self, own_count: int, chunk_items: int) -> SessionInfo:
-        body = PsiOpenRequest(count=own_count, chunk_items=chunk_items).model_dump()
-        response = self._call("POST", "/psi/sessions", "opening a PSI session", json=body)
+        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items).model_dump()
+        response = self._call("POST", psi.SESSIONS, "opening a PSI session", json=body)
         expect_server(response, self.name, "partner")
-        info = PsiOpenResponse.model_validate(response.json())
+        info = psi.PsiOpenResponse.model_validate(response.json())
         self._chunk_items = chunk_items  # what was agreed bounds every chunk read (run_initiator checks the answer)
         return SessionInfo(info.session, info.count, info.chunk_items)
 
@@ -187,28 +194,28 @@ class HttpPartner:
         self._call("PUT", path, what, content=data, headers={"content-type": OCTET_STREAM})
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None:
-        self._put(f"/psi/sessions/{session_id}/blinded/{index}", data, "blinded IDs")
+        self._put(fill(psi.BLINDED, session_id=session_id, index=index), data, "blinded IDs")
 
     def get_blinded(self, session_id: str, index: int) -> bytes:
-        return self._get_when_ready(f"/psi/sessions/{session_id}/blinded/{index}", "its blinded IDs",
+        return self._get_when_ready(fill(psi.BLINDED, session_id=session_id, index=index), "its blinded IDs",
                                     self._chunk_items * POINT_BYTES)
 
     def get_reblinded(self, session_id: str, index: int) -> bytes:
-        return self._get_when_ready(f"/psi/sessions/{session_id}/reblinded/{index}", "the re-blinded IDs",
+        return self._get_when_ready(fill(psi.REBLINDED, session_id=session_id, index=index), "the re-blinded IDs",
                                     self._chunk_items * TRUNCATED_BYTES)
 
     def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training") -> int:
         response = self._call(
             "POST",
-            f"/psi/sessions/{session_id}/commit",
+            fill(psi.COMMIT, session_id=session_id),
             "the alignment",
-            content=positions.astype("<u4").tobytes(),
-            headers={"content-type": OCTET_STREAM, ALIGNMENT_HEADER: alignment_id, PURPOSE_HEADER: purpose},
+            content=psi.encode_positions(positions),
+            headers={"content-type": OCTET_STREAM, psi.ALIGNMENT_HEADER: alignment_id, psi.PURPOSE_HEADER: purpose},
         )
-        return AlignmentInfo.model_validate(response.json()).rows
+        return control.AlignmentInfo.model_validate(response.json()).rows
 
     def abort(self, session_id: str) -> None:
-        self._call("DELETE", f"/psi/sessions/{session_id}", "aborting the session")
+        self._call("DELETE", fill(psi.SESSION, session_id=session_id), "aborting the session")
 
     # --- training -------------------------------------------------------------------------
 
@@ -221,12 +228,7 @@ class HttpPartner:
 
         def finish() -> bytes:
             response = receive()
-            self.round_trips += 1
-            self.bytes_sent += len(body)
-            self.bytes_received += len(response.content)
-            if not response.is_success:
-                self._refused(response.status, response.content, what)
-            return response.content
+            return self._answered(response.status, len(body), response.content, what)
 
         return finish
 
@@ -249,16 +251,13 @@ class HttpPartner:
         """An idempotent control call, retried while the partner may be restarting."""
         return self._retried(what, lambda: self._call(method, path, what, **kwargs))
 
-    def _send_tensors(
-        self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object
-    ) -> Callable[[], bytes]:
+    def _send(self, path: str, what: str, body: bytes) -> Callable[[], bytes]:
         """Send an idempotent message now; the returned function waits for the answer, sending the
         message again under the retry policy if the partner does not answer.
 
         Safe because the partner answers a repeated (session, step) from its
         stored response without applying anything twice.
         """
-        body = encode(tensors, **meta)
         try:
             first: Callable[[], bytes] | None = self._send_once(path, what, body)
         except PeerUnavailable:
@@ -276,27 +275,30 @@ class HttpPartner:
 
         return result
 
-    def _post_tensors(self, path: str, what: str, tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
-        return self._send_tensors(path, what, tensors, **meta)()
+    def _decoded(self, decode: Callable[[bytes], T], content: bytes, what: str) -> T:
+        try:
+            return decode(content)
+        except BadMessage as exc:
+            raise PeerError(f"partner {self.name!r} sent an unusable answer ({what}): {exc}") from exc
 
-    def _embedding(self, content: bytes, rows: int, what: str) -> torch.Tensor:
-        return self._checked_embedding(decode(content, {"embedding": torch.float32}), rows, what)
-
-    def _checked_embedding(self, message: WireMessage, rows: int, what: str) -> torch.Tensor:
-        z = message.get("embedding")
+    def _checked_embedding(self, z: torch.Tensor | None, rows: int, what: str) -> torch.Tensor:
         if z is None or tuple(z.shape) != (rows, self.width):
             shape = None if z is None else tuple(z.shape)
             raise PeerError(f"partner {self.name!r} sent {what} of shape {shape}; expected {(rows, self.width)}")
         return z
 
+    @property
+    def _session(self) -> dict[str, str]:
+        return {"session_id": self.session_id}
+
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
         response = self._control(
-            "POST", "/train/sessions", "starting training",
-            content=encode({"train_rows": train_positions}, session=session_id, alignment=alignment_id),
+            "POST", training.SESSIONS, "starting training",
+            content=training.StartRequest(session_id, alignment_id, train_positions).encode(),
             headers={"content-type": SAFETENSORS},
         )
         expect_server(response, self.name, "partner")
-        info = TrainSessionInfo.model_validate(response.json())
+        info = training.TrainSessionInfo.model_validate(response.json())
         self.session_id, self.width, self.durable = session_id, info.embedding_width, None
         return info.embedding_width
 
@@ -307,30 +309,28 @@ class HttpPartner:
         self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
         keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
-        tensors = {k: v for k, v in (("grad", grad), ("rows", rows)) if v is not None}
-        meta: dict[str, object] = {"session": self.session_id, "step": step}
-        if checkpoint:
-            meta |= {"checkpoint": 1} | ({} if keep_from is None else {"keep_from": keep_from})
-        finish = self._send_tensors(f"/train/sessions/{self.session_id}/step", f"step {step}", tensors, **meta)
+        request = training.StepRequest(self.session_id, step, grad, rows, checkpoint, keep_from)
+        what = f"step {step}"
+        finish = self._send(fill(training.STEP, **self._session), what, request.encode())
 
         def result() -> torch.Tensor | None:
-            message = decode(finish(), {"embedding": torch.float32})
-            if "durable" in message.meta:
-                self.durable = message.int_meta("durable")
-            return None if rows is None else self._checked_embedding(message, rows.numel(),
+            reply = self._decoded(training.StepReply.decode, finish(), what)
+            if reply.durable is not None:
+                self.durable = reply.durable
+            return None if rows is None else self._checked_embedding(reply.embedding, rows.numel(),
                                                                       f"the embedding of step {step}")
 
         return result
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
-        response = self._post_tensors(
-            f"/train/sessions/{self.session_id}/embed", "an evaluation embedding", {"rows": rows},
-            session=self.session_id,
-        )
-        return self._embedding(response, rows.numel(), "an evaluation embedding")
+        what = "an evaluation embedding"
+        content = self._send(fill(training.EMBED, **self._session), what,
+                             training.EmbedRequest(self.session_id, rows).encode())()
+        return self._checked_embedding(self._decoded(training.EmbedReply.decode, content, what).embedding,
+                                       rows.numel(), what)
 
     def mark_best(self) -> None:
-        self._control("POST", f"/train/sessions/{self.session_id}/best", "marking the best weights")
+        self._control("POST", fill(training.BEST, **self._session), "marking the best weights")
 
     def attach(self, session_id: str, width: int) -> None:
         self.session_id, self.width = session_id, width
@@ -338,42 +338,38 @@ class HttpPartner:
     # --- scoring with a trained model -------------------------------------------------------
 
     def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
-        body = LoadModelRequest(files=files, embedding_width=width).model_dump()
-        self._control("POST", f"/models/{model_id}/load", f"loading model {model_id}", json=body)
+        body = scoring.LoadModelRequest(files=files, embedding_width=width).model_dump()
+        self._control("POST", fill(scoring.LOAD, model_id=model_id), f"loading model {model_id}", json=body)
         self.width = width
 
     def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
         """The partner's embeddings of the rows at ``positions``, and its count of values that took a policy."""
-        content = self._post_tensors(f"/models/{model_id}/embed", "scoring embeddings", {"rows": positions},
-                                     alignment=alignment_id)
-        message = decode(content, {"embedding": torch.float32})
-        z = self._checked_embedding(message, positions.numel(), "scoring embeddings")
-        try:
-            fallbacks = parse_fallbacks(message.meta.get("fallbacks", ""))
-        except ValueError as exc:
-            raise PeerError(f"partner {self.name!r} sent unusable fallback counts: {exc}") from exc
-        if any(n > positions.numel() for counts in fallbacks.values() for n in counts.values()):
+        what = "scoring embeddings"
+        content = self._send(fill(scoring.EMBED, model_id=model_id), what,
+                             scoring.ScoringRequest(alignment_id, positions).encode())()
+        reply = self._decoded(scoring.ScoringReply.decode, content, what)
+        z = self._checked_embedding(reply.embedding, positions.numel(), what)
+        if any(n > positions.numel() for counts in reply.fallbacks.values() for n in counts.values()):
             raise PeerError(f"partner {self.name!r} counted more fallbacks than rows it embedded")
-        return z, fallbacks
+        return z, reply.fallbacks
 
-    def privacy(self) -> PrivacyReport:
-        response = self._control("GET", f"/train/sessions/{self.session_id}/privacy", "its privacy spend")
-        return PrivacyReport.model_validate(response.json())
+    def privacy(self) -> training.PrivacyReport:
+        response = self._control("GET", fill(training.PRIVACY, **self._session), "its privacy spend")
+        return training.PrivacyReport.model_validate(response.json())
 
     def checkpoints(self) -> list[int]:
-        response = self._control("GET", f"/train/sessions/{self.session_id}/checkpoints", "listing checkpoints")
-        return CheckpointList.model_validate(response.json()).steps
+        response = self._control("GET", fill(training.CHECKPOINTS, **self._session), "listing checkpoints")
+        return training.CheckpointList.model_validate(response.json()).steps
 
     def restore(self, step: int) -> None:
-        body = RestoreRequest(step=step).model_dump()
-        self._control("POST", f"/train/sessions/{self.session_id}/restore", f"restoring step {step}", json=body)
+        body = training.RestoreRequest(step=step).model_dump()
+        self._control("POST", fill(training.RESTORE, **self._session), f"restoring step {step}", json=body)
         self.durable = step
 
-    def finish(self, restore_best: bool) -> ModelFiles:
-        body = FinishRequest(restore_best=restore_best).model_dump()
-        response = self._control("POST", f"/train/sessions/{self.session_id}/finish", "finishing training",
-                                 json=body)
-        return ModelFiles.model_validate(response.json())
+    def finish(self, restore_best: bool) -> training.ModelFiles:
+        body = training.FinishRequest(restore_best=restore_best).model_dump()
+        response = self._control("POST", fill(training.FINISH, **self._session), "finishing training", json=body)
+        return training.ModelFiles.model_validate(response.json())
 
     def end(self, finished: bool = True) -> None:
         if self.session_id:
@@ -382,8 +378,9 @@ class HttpPartner:
     def end_session(self, session_id: str, finished: bool = True) -> None:
         """End one of this bank's sessions at the partner (``finished=False``: only unload it)."""
         call = self._control if finished else self._call
-        call("DELETE", f"/train/sessions/{session_id}", "ending training", params={"finished": str(finished).lower()})
+        call("DELETE", fill(training.SESSION, session_id=session_id), "ending training",
+             params={"finished": str(finished).lower()})
 
-    def sessions(self) -> SessionList:
+    def sessions(self) -> control.SessionList:
         """This bank's live sessions at the partner."""
-        return SessionList.model_validate(self._control("GET", "/train/sessions", "listing sessions").json())
+        return control.SessionList.model_validate(self._control("GET", training.SESSIONS, "listing sessions").json())

@@ -12,7 +12,7 @@ from parties.learning.embedding_dp import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.learning.training_session import PartySession
-from parties.protocol.messages import ModelFiles, PrivacyReport
+from parties.protocol.training import ModelFiles, PrivacyReport
 from parties.storage.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.tables.table import AlignedRows, PartyTable
 

@@ -10,7 +10,9 @@ import httpx
 
 from bank.config import TrainingConfig
 from parties.errors import CutlayerError, NotAligned, PeerError, PeerUntrusted
-from parties.protocol.messages import AlignmentRequest, JobStatus, SessionList
+from parties.protocol import control
+from parties.protocol.common import fill
+from parties.protocol.control import AlignmentRequest, JobStatus, SessionList
 from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles, handshake_failure
 
@@ -49,23 +51,23 @@ class BankOperator:
 
     def start_alignment(self, request: AlignmentRequest | None = None) -> JobStatus:
         body = (request or AlignmentRequest()).model_dump()
-        return JobStatus.model_validate(self._request("POST", "/alignments", json=body).json())
+        return JobStatus.model_validate(self._request("POST", control.ALIGNMENTS, json=body).json())
 
     def start_training(self, config: TrainingConfig | None = None) -> JobStatus:
         body = (config or TrainingConfig()).model_dump(mode="json")
-        return JobStatus.model_validate(self._request("POST", "/trainings", json=body).json())
+        return JobStatus.model_validate(self._request("POST", control.TRAININGS, json=body).json())
 
     def resume_training(self, session_id: str) -> JobStatus:
-        return JobStatus.model_validate(self._request("POST", f"/trainings/{session_id}/resume").json())
+        return JobStatus.model_validate(self._request("POST", fill(control.RESUME, session_id=session_id)).json())
 
     def sessions(self) -> SessionList:
-        return SessionList.model_validate(self._request("GET", "/trainings").json())
+        return SessionList.model_validate(self._request("GET", control.TRAININGS).json())
 
     def end_session(self, session_id: str) -> None:
-        self._request("DELETE", f"/trainings/{session_id}")
+        self._request("DELETE", fill(control.TRAINING, session_id=session_id))
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False) -> JobStatus:
-        response = self._request("POST", "/scorings", content=csv, headers={"content-type": "text/csv"},
+        response = self._request("POST", control.SCORINGS, content=csv, headers={"content-type": "text/csv"},
                                  params={"model": model_id, "allow_missing": str(allow_missing).lower()})
         return JobStatus.model_validate(response.json())
 
@@ -75,10 +77,10 @@ class BankOperator:
         return job.job_id
 
     def scores(self, job_id: str) -> bytes:
-        return self._request("GET", f"/scorings/{job_id}/scores.csv").content
+        return self._request("GET", fill(control.SCORES, job_id=job_id)).content
 
     def job(self, job_id: str) -> JobStatus:
-        return JobStatus.model_validate(self._request("GET", f"/jobs/{job_id}").json())
+        return JobStatus.model_validate(self._request("GET", fill(control.JOB, job_id=job_id)).json())
 
     def wait(
         self, job: JobStatus, on_progress: Callable[[JobStatus], None] | None = None, poll: float = 0.2

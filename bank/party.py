@@ -1,8 +1,11 @@
-"""The party the training coordinator sees: the calls it makes, whatever carries them.
+"""The parties the bank's coordinators see: the calls they make, whatever carries them.
 
-``bank.http_partner.HttpPartner`` carries them to a partner's service over mutual TLS;
-``bank.in_process.InProcessParty`` runs the bank's own bottom model in its process.
-The coordinator knows only this protocol.
+``TrainingParty`` is what the training coordinator (``bank.trainer``) needs,
+``ScoringParty`` what scoring (``bank.scoring``) needs.
+``bank.http_partner.HttpPartner`` carries both to a partner's service over
+mutual TLS; ``bank.in_process.InProcessParty`` runs the bank's own bottom
+model in its process. The coordinators know only these protocols: retries,
+connections and byte counts are the carrier's business.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from parties.protocol.messages import ModelFiles, PrivacyReport
+from alignment.psi import PsiPeer
+from parties.protocol.training import ModelFiles, PrivacyReport
+from parties.tables.encoding import Fallbacks
 
-__all__ = ["TrainingParty"]
+__all__ = ["ScoringParty", "TrainingParty"]
 
 
 class TrainingParty(Protocol):
@@ -73,4 +79,23 @@ class TrainingParty(Protocol):
     def end(self, finished: bool = True) -> None:
         """Close the session: ``finished``, for good (retried); otherwise (the run stopped) unload it,
         resumable from its checkpoints, in one attempt."""
+        ...
+
+
+class ScoringParty(PsiPeer, Protocol):
+    """What scoring needs from a partner: a PSI peer for the customers to score, and its trained bottom."""
+
+    name: str
+
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training") -> int:
+        """Fix the intersection's order at the partner; ``purpose``: ``training`` or ``scoring``."""
+        ...
+
+    def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:
+        """Have the partner load its files of ``model_id``, checked against the manifest's digests."""
+        ...
+
+    def embed_for_scoring(self, model_id: str, alignment_id: str,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
+        """Its embeddings of the committed rows at ``positions``, and its count of values that took a policy."""
         ...

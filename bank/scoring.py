@@ -30,8 +30,8 @@ from alignment.parallel import WorkerPool
 from alignment.psi import partnership_dst, run_initiator
 from bank.aggregation import Aggregation, get_aggregation
 from bank.bank_only import BankOnlyModel
-from bank.http_partner import HttpPartner
 from bank.manifest import Manifest, SubsetEntry, read_manifest
+from bank.party import ScoringParty
 from bank.subsets import head_from_blob, subset_name
 from bank.task import Task
 from parties.errors import CutlayerError, DataError, IntersectionTooSmall
@@ -76,7 +76,7 @@ class _Customers:
         self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
         self.fallbacks: dict[str, Fallbacks] = {}
 
-    def align(self, partner: HttpPartner, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
+    def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
               say: Progress) -> str | None:
         """PSI with ``partner`` and its embeddings of the customers it holds; its refusal's reason, if it refused."""
         name = partner.name
@@ -112,7 +112,7 @@ def score_customers(
     table: PartyTable,
     model_dir: Path,
     bank_name: str,
-    partners: Mapping[str, HttpPartner],
+    partners: Mapping[str, ScoringParty],
     pool: WorkerPool,
     *,
     allow_missing: bool = False,

@@ -12,7 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.errors import NotAligned, OutOfOrder
-from parties.protocol.messages import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
+from parties.protocol import control
+from parties.protocol.control import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
 from parties.settings import BankSettings
 from parties.tables.table import PartyTable
 from parties.transport.app import create_party_app, read_body, require_self
@@ -26,42 +27,42 @@ async def core(request: Request) -> BankCore:
     return request.app.state.core
 
 
-@coordinator.post("/alignments", status_code=202, response_model=JobStatus)
+@coordinator.post(control.ALIGNMENTS, status_code=202, response_model=JobStatus)
 async def start_alignment(body: AlignmentRequest, c: BankCore = Depends(core)) -> JobStatus:
     return c.start_alignment(body).status()
 
 
-@coordinator.get("/alignment", response_model=AlignmentInfo)
+@coordinator.get(control.ALIGNMENT, response_model=AlignmentInfo)
 async def current_alignment(c: BankCore = Depends(core)) -> AlignmentInfo:
     if c.alignment is None:
         raise NotAligned("no alignment yet: align the customers first (POST /alignments)")
     return AlignmentInfo(alignment_id=c.alignment.alignment_id, rows=len(c.alignment), pairwise=c.pairwise)
 
 
-@coordinator.post("/trainings", status_code=202, response_model=JobStatus)
+@coordinator.post(control.TRAININGS, status_code=202, response_model=JobStatus)
 async def start_training(body: TrainingConfig, c: BankCore = Depends(core)) -> JobStatus:
     return c.start_training(body).status()
 
 
-@coordinator.get("/trainings", response_model=SessionList)
+@coordinator.get(control.TRAININGS, response_model=SessionList)
 async def training_sessions(c: BankCore = Depends(core)) -> SessionList:
     """Every training session: running, stopped (resumable), finished or ended."""
     return c.sessions()
 
 
-@coordinator.delete("/trainings/{session_id}", status_code=204)
+@coordinator.delete(control.TRAINING, status_code=204)
 async def end_training_session(session_id: str, c: BankCore = Depends(core)) -> Response:
     """End a stopped session for good, here and at every partner."""
     await run_in_threadpool(c.end_session, session_id)
     return Response(status_code=204)
 
 
-@coordinator.post("/trainings/{session_id}/resume", status_code=202, response_model=JobStatus)
+@coordinator.post(control.RESUME, status_code=202, response_model=JobStatus)
 async def resume_training(session_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.start_resume(session_id).status()
 
 
-@coordinator.post("/scorings", status_code=202, response_model=JobStatus)
+@coordinator.post(control.SCORINGS, status_code=202, response_model=JobStatus)
 async def start_scoring(
     request: Request, model: str, allow_missing: bool = False, c: BankCore = Depends(core)
 ) -> JobStatus:
@@ -70,7 +71,7 @@ async def start_scoring(
     return c.start_scoring(model, csv, allow_missing).status()
 
 
-@coordinator.get("/scorings/{job_id}/scores.csv")
+@coordinator.get(control.SCORES)
 async def scores(job_id: str, c: BankCore = Depends(core)) -> FileResponse:
     job = c.jobs.get(job_id)
     if job.kind != "scoring" or job.state != "succeeded" or job.result is None:
@@ -78,7 +79,7 @@ async def scores(job_id: str, c: BankCore = Depends(core)) -> FileResponse:
     return FileResponse(job.result["scores_file"], media_type="text/csv")
 
 
-@coordinator.get("/jobs/{job_id}", response_model=JobStatus)
+@coordinator.get(control.JOB, response_model=JobStatus)
 async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.jobs.get(job_id).status()
 

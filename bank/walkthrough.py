@@ -16,7 +16,7 @@ from bank.config import TrainingConfig
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from data.uci import locate_bank_full
-from parties.protocol.messages import JobStatus
+from parties.protocol.control import JobStatus
 from parties.storage.files import atomic_write_text
 from parties.transport.process import ServiceProcess
 from parties.transport.tls import TLSFiles, write_dev_pki

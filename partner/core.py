@@ -18,16 +18,9 @@ from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, Out
 from parties.learning.embedding_dp import EmbeddingDP
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
-from parties.protocol.messages import (
-    AlignmentInfo,
-    ModelFiles,
-    PrivacyReport,
-    PsiOpenRequest,
-    PsiOpenResponse,
-    SessionList,
-    SessionSummary,
-    TrainSessionInfo,
-)
+from parties.protocol.control import AlignmentInfo, SessionList, SessionSummary
+from parties.protocol.psi import PsiOpenRequest, PsiOpenResponse
+from parties.protocol.training import ModelFiles, PrivacyReport, TrainSessionInfo
 from parties.settings import PartnerSettings
 from parties.storage.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.storage.files import atomic_write_text

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from parties.errors import PeerError, PeerUnavailable
-from parties.protocol.messages import CALLER_HEADER
+from parties.protocol.common import CALLER_HEADER
 from parties.transport.client import make_channel
 from parties.transport.server import ServerThread
 from parties.transport.tls import PeerIdentity, TLSFiles
@@ -133,3 +133,64 @@ def test_polling_for_an_answer_gets_it_early_or_late(pki: Path, delay: float) ->
         channel.close_connection()
     finally:
         thread.stop()
+
+
+def _established_to(port: int) -> int:
+    """Client-side TCP connections of this machine to 127.0.0.1:``port`` that are open (from /proc/net/tcp)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state = fields[2], fields[3]
+        if remote == f"0100007F:{port:04X}" and state == "01":
+            count += 1
+    return count
+
+
+def _within(seconds: float, fn: Any) -> Any:
+    """``fn()`` in a thread; fails (instead of hanging the suite) when it does not return in time."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn).result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        pytest.fail(f"still blocked after {seconds}s (a lock left held?)")
+    finally:
+        pool.shutdown(wait=False)  # a blocked thread is abandoned, not waited for
+
+
+def test_a_caller_that_fails_between_send_and_receive_does_not_wedge_the_channel(server: ServerThread,
+                                                                                  pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    stale = channel.send("/echo", b"first", "text/plain")  # the caller then fails and never reads the answer
+    answer = _within(10, lambda: channel.post("/echo", b"second", "text/plain"))
+    assert answer.content.endswith(b":second")  # on a new connection: the unread answer is not mistaken for it
+    with pytest.raises(PeerUnavailable, match="dropped"):
+        stale()
+    assert _within(10, lambda: channel.post("/echo", b"third", "text/plain")).content.endswith(b":third")
+    channel.close()
+
+
+def test_an_exception_while_reading_leaves_the_channel_usable(server: ServerThread, pki: Path) -> None:
+    channel = make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK)
+    receive = channel.send("/echo", b"x", "text/plain")
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt  # what a signal or a bug in a callback does mid-read
+
+    channel._await_data = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        receive()
+    del channel._await_data
+    assert _within(10, lambda: channel.post("/echo", b"again", "text/plain")).content.endswith(b":again")
+    channel.close()
+
+
+def test_a_closed_channel_releases_its_socket_and_refuses_to_send(server: ServerThread, pki: Path) -> None:
+    port = int(server.url.rsplit(":", 1)[1])
+    with make_channel(TLSFiles.from_dir(pki, "bank"), server.url, expect=PARTNER, caller=BANK) as channel:
+        channel.post("/echo", b"x", "text/plain")
+        assert _established_to(port) == 1
+    assert _established_to(port) == 0
+    with pytest.raises(PeerUnavailable, match="closed"):
+        channel.send("/echo", b"y", "text/plain")

@@ -70,3 +70,25 @@ def test_faults_on_the_wire_do_not_change_the_model(pki, bank_full: Path, tmp_pa
         assert state_equal(saved(folder / clean.session_id / "bottom.safetensors"),
                            saved(folder / noisy.session_id / "bottom.safetensors"))
     assert clean.test_metrics == noisy.test_metrics
+
+
+def test_both_client_stacks_keep_one_contract(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
+    """Steps over the kept-alive channel or over httpx: the same model, the same counts of bytes and round trips."""
+    paths = prepare_bank_marketing(tmp_path / "data", rows=800, cache=bank_full.parent, download=False)
+    config = TrainingConfig(epochs=1, batch_size=64, restore_best=False)
+    with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
+        outcomes, counts = [], []
+        for over_httpx in (False, True):
+            fed.steps_over_httpx = over_httpx
+            coordinator = fed.coordinator(config, BOTTOMS["bank"])
+            outcomes.append(coordinator.run())
+            partner = coordinator.parties[1]
+            assert (partner.channel is None) is over_httpx
+            counts.append((partner.round_trips, partner.bytes_sent, partner.bytes_received))
+            partner.close()
+    models = fed.partner_core("partner").settings.state_path / "models"
+    a, b = outcomes
+    assert state_equal(saved(models / a.session_id / "bottom.safetensors"),
+                       saved(models / b.session_id / "bottom.safetensors"))
+    assert a.test_metrics == b.test_metrics
+    assert counts[0] == counts[1] and counts[0][0] > a.steps  # every step and control call, counted once

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load
 
 from parties.errors import BadMessage
-from parties.protocol.messages import SCHEMA_VERSION
+from parties.protocol.common import SCHEMA_VERSION
 from parties.protocol.wire import all_finite, decode, encode
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

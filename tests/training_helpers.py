@@ -43,13 +43,15 @@ class Federation:
         return self.partners[name].app.state.core
 
     channel_factory: Callable[..., Channel] | None = None
+    steps_over_httpx: bool = False  # the proxy's other client stack: steps too go through the httpx client
 
     def proxies(self) -> list[HttpPartner]:
         """Partner proxies as the bank builds them: control calls over httpx, steps over a channel."""
         factory = self.channel_factory or Channel
         out = []
         for name, server in self.partners.items():
-            channel = factory(server.url, client_ssl_context(self.tls), expect=PeerIdentity(name, "partner"))
+            channel = None if self.steps_over_httpx else factory(
+                server.url, client_ssl_context(self.tls), expect=PeerIdentity(name, "partner"))
             out.append(HttpPartner(name, server.url, self.client, channel=channel, retry_deadline=20))
         return out
 

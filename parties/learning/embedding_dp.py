@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from parties.errors import BudgetExhausted
-from parties.protocol.messages import PrivacyReport
+from parties.protocol.training import PrivacyReport
 
 __all__ = ["EmbeddingDP", "PrivacyConfig", "epsilon_after"]
 

@@ -24,9 +24,9 @@ from safetensors.torch import load as _load
 from safetensors.torch import save as _save
 
 from parties.errors import BadMessage
-from parties.protocol.messages import SCHEMA_VERSION
+from parties.protocol.common import SCHEMA_VERSION
 
-__all__ = ["SAFETENSORS", "WireMessage", "all_finite", "check_nesting", "decode", "encode", "serialize"]
+__all__ = ["SAFETENSORS", "WireMessage", "all_finite", "check_nesting", "decode", "encode", "parse", "serialize"]
 
 SAFETENSORS = "application/vnd.cutlayer.safetensors"
 _MAX_HEADER = 1 << 16
@@ -124,24 +124,36 @@ def check_nesting(header: bytes, limit: int = MAX_HEADER_DEPTH) -> None:
             depth -= 1
 
 
+def parse(blob: bytes, *, max_header: int = _MAX_HEADER) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """A safetensors blob's JSON header and its tensors: bounded, nesting-checked, never unpickled.
+
+    The one parser for messages (``decode``) and checkpoint files
+    (``parties.storage.checkpoint``). Anything malformed is a ``BadMessage``.
+    """
+    if len(blob) < 8:
+        raise BadMessage("the body is not a safetensors message")
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    if header_len > max_header or 8 + header_len > len(blob):
+        raise BadMessage("the message header is too large or truncated")
+    raw = blob[8 : 8 + header_len]
+    check_nesting(raw)
+    try:
+        header = json.loads(raw)
+        tensors = _load(blob)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise BadMessage(f"the body is not a valid safetensors message ({exc})") from exc
+    if not isinstance(header, dict):
+        raise BadMessage("the message header is not a JSON object")
+    return header, tensors
+
+
 def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool = True) -> WireMessage:
     """Parse a body, accepting only the named tensors with their dtypes; check the schema version.
 
     ``check_finite=False`` is for a caller that checks finiteness itself (the
     training step does, for every path), so the hot path pays for it once.
     """
-    if len(body) < 8:
-        raise BadMessage("the body is not a safetensors message")
-    (header_len,) = struct.unpack("<Q", body[:8])
-    if header_len > _MAX_HEADER or 8 + header_len > len(body):
-        raise BadMessage("the message header is too large or truncated")
-    raw = body[8 : 8 + header_len]
-    check_nesting(raw)
-    try:
-        header = json.loads(raw)
-        tensors = _load(body)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
-        raise BadMessage(f"the body is not a valid safetensors message ({exc})") from exc
+    header, tensors = parse(body)
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise BadMessage("message metadata must map strings to strings")

@@ -30,11 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
 
 from parties.errors import BadMessage, DataError, StorageError
-from parties.protocol.wire import check_nesting, serialize
+from parties.protocol.wire import parse, serialize
 from parties.storage.files import atomic_write_bytes
 
 __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
@@ -43,6 +41,8 @@ __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimi
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d+)\.safetensors$")
+#: A checkpoint's header names every tensor of a party's state: larger than a message's, still bounded.
+_MAX_CHECKPOINT_HEADER = 1 << 24
 
 
 class Checkpoint:
@@ -213,13 +213,10 @@ def checkpoint_steps(folder: Path) -> list[int]:
 def read_checkpoint(folder: Path, step: int) -> Checkpoint:
     path = Path(folder) / f"step-{step}.safetensors"
     try:
-        blob = path.read_bytes()
-        tensors = load_tensors(blob)
-        header_len = int.from_bytes(blob[:8], "little")
-        check_nesting(blob[8 : 8 + header_len])  # a corrupt file must not end in RecursionError
-        meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["cutlayer"])
+        header, tensors = parse(path.read_bytes(), max_header=_MAX_CHECKPOINT_HEADER)
+        meta = json.loads(header["__metadata__"]["cutlayer"])  # type: ignore[index]
     except FileNotFoundError as exc:
         raise DataError(f"{path}: no checkpoint at step {step}") from exc
-    except (SafetensorError, ValueError, KeyError, BadMessage) as exc:
+    except (ValueError, KeyError, TypeError, BadMessage) as exc:
         raise DataError(f"{path}: not a readable checkpoint ({exc})") from exc
     return Checkpoint(step, tensors, meta)

@@ -8,7 +8,7 @@ from typing import Any
 from starlette.datastructures import Headers
 
 from parties.errors import BadMessage, Forbidden, PayloadTooLarge
-from parties.protocol.messages import CALLER_HEADER
+from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport.tls import ROLES, PeerIdentity, peer_identity
 

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from parties.errors import CutlayerError, Forbidden
-from parties.protocol.messages import Identity
+from parties.protocol.common import HEALTH, IDENTITY, Identity
 from parties.settings import ServiceSettings
 from parties.transport.access import CLOSING_STATUSES, ensure_role, identify, read_limited
 from parties.transport.hot_routes import HotPath, HotRoute
@@ -111,11 +111,11 @@ def create_party_app(
 
     common = APIRouter()
 
-    @common.get("/health")
+    @common.get(HEALTH)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @common.get("/identity", response_model=Identity)
+    @common.get(IDENTITY, response_model=Identity)
     async def identity(_: PeerIdentity = Depends(caller)) -> Identity:
         return Identity(name=settings.name, role=settings.role)
 

@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from urllib.parse import urlsplit
 
 import httptools
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
+from parties.protocol import http
 from parties.transport.tls import PeerIdentity, handshake_failure, peer_identity
 
 __all__ = ["Channel", "ChannelResponse"]
@@ -90,12 +92,12 @@ class Channel:
         self.https = parts.scheme == "https"
         self.context, self.expect, self.timeout = context, expect, timeout
         self.max_response_bytes, self.poll = max_response_bytes, poll
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._head = f"Host: {host}:{self.port}\r\n{extra}".encode("latin-1")
+        self._head = http.host_headers(self.host, self.port, headers)
         self._sock: socket.socket | None = None
         self._buffer = bytearray(1 << 18)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for a send or a receive, never between them
+        self._pending: object | None = None  # the exchange whose answer is unread
+        self._closed = False
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
@@ -119,52 +121,68 @@ class Channel:
 
         Between the two the caller is free to compute: the request is already
         on its way, so no thread is needed to overlap the two. One request is
-        in flight at a time. A connection that fails is closed and the error
-        raised; a request is never silently resent.
+        in flight at a time: sending again before the last answer was read
+        (the caller failed in between) drops that connection and its unread
+        answer, and the stale receive function then raises ``PeerUnavailable``.
+        A connection that fails is closed and the error raised; a request is
+        never silently resent. No lock is held between the two calls.
         """
-        head = b"POST %s HTTP/1.1\r\n%scontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
-            path.encode("ascii"), self._head, content_type.encode("latin-1"), len(body))
-        self._lock.acquire()
-        try:
-            if self._sock is None:
-                self._sock = self._connect()
-            self._sock.sendall(head + body)
-        except OSError as exc:
-            self._fail()
-            untrusted = handshake_failure(exc)
-            if untrusted:
-                raise PeerUntrusted(f"{self.host}:{self.port} answered, but {untrusted}") from exc
-            raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
-        except BaseException:
-            self._fail()
-            raise
+        head = http.request_head("POST", path, self._head, content_type, len(body))
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable(f"the channel to {self.host}:{self.port} is closed")
+            if self._pending is not None:
+                self.close_connection()  # its answer was never read: the connection is mid-response
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._sock.sendall(head + body)
+            except OSError as exc:
+                self.close_connection()
+                untrusted = handshake_failure(exc)
+                if untrusted:
+                    raise PeerUntrusted(f"{self.host}:{self.port} answered, but {untrusted}") from exc
+                raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
+            except BaseException:
+                self.close_connection()
+                raise
+            exchange = self._pending = object()
 
         def receive() -> ChannelResponse:
-            response = _Response()
-            try:
-                assert self._sock is not None
-                self._await_data(self._sock)
-                view = memoryview(self._buffer)
-                while not response.complete:
-                    n = self._sock.recv_into(self._buffer)
-                    if n == 0:
-                        raise ConnectionResetError("the connection closed before the whole response arrived")
-                    response.parser.feed_data(view[:n])
-                    if response.size > self.max_response_bytes:
-                        self.close_connection()
-                        raise PeerError(f"{self.host}:{self.port} sent a response over {self.max_response_bytes} bytes")
-                if not response.keep_alive:
-                    self.close_connection()
-                content_type = response.headers.get(b"content-type", b"").decode("latin-1")
-                return ChannelResponse(response.parser.get_status_code(), b"".join(response.body), content_type)
-            except (OSError, httptools.HttpParserError) as exc:
-                self.close_connection()
-                raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
-            finally:
-                response.release()
-                self._lock.release()
+            with self._lock:
+                if self._pending is not exchange or self._sock is None:
+                    raise PeerUnavailable(f"{self.host}:{self.port}: the answer was dropped (the channel was "
+                                          "closed or used again before it was read)")
+                self._pending = None
+                return self._read(self._sock)
 
         return receive
+
+    def _read(self, sock: socket.socket) -> ChannelResponse:
+        response = _Response()
+        try:
+            self._await_data(sock)
+            view = memoryview(self._buffer)
+            while not response.complete:
+                n = sock.recv_into(self._buffer)
+                if n == 0:
+                    raise ConnectionResetError("the connection closed before the whole response arrived")
+                response.parser.feed_data(view[:n])
+                if response.size > self.max_response_bytes:
+                    self.close_connection()
+                    raise PeerError(f"{self.host}:{self.port} sent a response over {self.max_response_bytes} bytes")
+            if not response.keep_alive:
+                self.close_connection()
+            content_type = response.headers.get(b"content-type", b"").decode("latin-1")
+            return ChannelResponse(response.parser.get_status_code(), b"".join(response.body), content_type)
+        except (OSError, httptools.HttpParserError) as exc:
+            self.close_connection()
+            raise PeerUnavailable(f"{self.host}:{self.port} did not answer: {exc}") from exc
+        except BaseException:
+            self.close_connection()  # interrupted mid-response: the connection cannot be reused
+            raise
+        finally:
+            response.release()
 
     def _await_data(self, sock: socket.socket) -> None:
         """Poll ``sock`` for up to ``self.poll`` seconds before the caller blocks on it.
@@ -183,11 +201,21 @@ class Channel:
     def post(self, path: str, body: bytes, content_type: str) -> ChannelResponse:
         return self.send(path, body, content_type)()
 
-    def _fail(self) -> None:
-        self.close_connection()
-        self._lock.release()
-
     def close_connection(self) -> None:
+        """Drop the current connection (the next send opens a new one)."""
+        self._pending = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def close(self) -> None:
+        """Close the channel for good: its connection now, and any later send is refused."""
+        with self._lock:
+            self._closed = True
+            self.close_connection()
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -7,7 +7,7 @@ import socket
 import httpx
 
 from parties.errors import PeerError
-from parties.protocol.messages import CALLER_HEADER
+from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport.channel import Channel
 from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context, peer_identity

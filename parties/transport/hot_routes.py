@@ -23,13 +23,13 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from starlette.datastructures import State
 from starlette.routing import compile_path
 
 from parties.errors import CutlayerError, PayloadTooLarge
+from parties.protocol import http
 from parties.settings import ServiceSettings
 from parties.transport.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify
 from parties.transport.tls import PeerIdentity
@@ -81,12 +81,7 @@ class HotResponse:
 
     def http(self, extra: Sequence[tuple[bytes, bytes]] = (), *, close: bool = False) -> bytes:
         """The whole HTTP/1.1 response, head and body, to write at once."""
-        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, HTTPStatus(self.status).phrase.encode("latin-1"))]
-        lines += [b"%s: %s\r\n" % kv for kv in (*extra, *self.headers())]
-        if close and not self.closes:
-            lines.append(b"connection: close\r\n")
-        lines.append(b"\r\n")
-        return b"".join([*lines, self.body])
+        return http.response(self.status, [*extra, *self.headers()], self.body, close=close and not self.closes)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from parties.errors import CutlayerError, OutOfOrder, UnknownSession
-from parties.protocol.messages import JobStatus
+from parties.protocol.control import JobStatus
 
 __all__ = ["Job", "JobRunner", "Progress"]
 

@@ -1,0 +1,88 @@
+"""Control exchanges: sessions and alignments a party holds, and the bank operator's jobs.
+
+A partner answers its banks' session listing (``parties.protocol.training.SESSIONS``)
+and its own operator's admin routes; the bank answers its own operator
+(``bank.operator`` calls, ``bank.service`` answers)::
+
+    partner operator   GET ADMIN_SESSIONS, DELETE ADMIN_SESSION, GET ADMIN_ALIGNMENT
+    bank operator      POST ALIGNMENTS (AlignmentRequest), GET ALIGNMENT,
+                       POST/GET TRAININGS, POST RESUME, DELETE TRAINING,
+                       POST SCORINGS (a CSV), GET SCORES, GET JOB -> JobStatus
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from parties.protocol.common import Message
+
+__all__ = [
+    "ADMIN_ALIGNMENT",
+    "ADMIN_SESSION",
+    "ADMIN_SESSIONS",
+    "ALIGNMENT",
+    "ALIGNMENTS",
+    "JOB",
+    "RESUME",
+    "SCORES",
+    "SCORINGS",
+    "TRAINING",
+    "TRAININGS",
+    "AlignmentInfo",
+    "AlignmentRequest",
+    "JobStatus",
+    "SessionList",
+    "SessionSummary",
+]
+
+ADMIN_SESSIONS = "/admin/sessions"
+ADMIN_SESSION = "/admin/sessions/{session_id}"
+ADMIN_ALIGNMENT = "/admin/alignment"
+
+ALIGNMENTS = "/alignments"
+ALIGNMENT = "/alignment"
+TRAININGS = "/trainings"
+TRAINING = "/trainings/{session_id}"
+RESUME = "/trainings/{session_id}/resume"
+SCORINGS = "/scorings"
+SCORES = "/scorings/{job_id}/scores.csv"
+JOB = "/jobs/{job_id}"
+
+
+class AlignmentRequest(Message):
+    partners: list[str] | None = Field(None, description="default: every configured partner")
+    min_intersection: int | None = Field(None, ge=1)
+    order_seed: int = Field(0, description="seeds the shared row order (same data and seed: same order)")
+
+
+class AlignmentInfo(Message):
+    alignment_id: str
+    rows: int
+    pairwise: dict[str, int] = Field(default_factory=dict)
+
+
+class JobStatus(Message):
+    job_id: str
+    kind: str
+    state: Literal["pending", "running", "succeeded", "failed"]
+    progress: str = ""
+    fraction: float | None = None
+    error: str | None = None
+    result: dict[str, object] | None = None
+
+
+class SessionSummary(Message):
+    """A session a party holds, for its owner or operator: no rows, no IDs."""
+
+    kind: Literal["training", "psi"]
+    session: str
+    owner: str  # the bank that opened it
+    state: str  # partner: "live" (in memory); bank: "running", "stopped" (resumable), "finished", "ended"
+    idle_seconds: float | None = None
+    step: int | None = None  # training: the next step
+
+
+class SessionList(Message):
+    sessions: list[SessionSummary]

@@ -1,0 +1,232 @@
+"""The training exchange between the bank (coordinator) and a partner: routes and messages.
+
+The flow (``bank.trainer`` drives it through ``bank.party.TrainingParty``)::
+
+    GET    SESSIONS                  the calling bank's live sessions -> SessionList
+    POST   SESSIONS                  StartRequest -> TrainSessionInfo
+    POST   STEP                      StepRequest -> StepReply            (the hot route)
+    POST   EMBED                     EmbedRequest -> EmbedReply          (evaluation)
+    POST   BEST                      mark the current weights the best
+    GET    CHECKPOINTS               -> CheckpointList
+    POST   RESTORE                   RestoreRequest
+    GET    PRIVACY                   -> PrivacyReport
+    POST   FINISH                    FinishRequest -> ModelFiles
+    DELETE SESSION (?finished=...)   end it, or only unload it
+
+Tensor messages are safetensors bodies (``parties.protocol.wire``); each
+names its tensors and their dtypes here, once, for both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+
+from parties.errors import BadMessage
+from parties.protocol.common import Message
+from parties.protocol.wire import WireMessage, decode, encode
+
+__all__ = [
+    "BEST",
+    "CHECKPOINTS",
+    "EMBED",
+    "FINISH",
+    "PRIVACY",
+    "RESTORE",
+    "SESSION",
+    "SESSIONS",
+    "STEP",
+    "CheckpointList",
+    "EmbedReply",
+    "EmbedRequest",
+    "FinishRequest",
+    "ModelFiles",
+    "PrivacyReport",
+    "RestoreRequest",
+    "StartRequest",
+    "StepReply",
+    "StepRequest",
+    "TrainSessionInfo",
+    "checked",
+]
+
+SESSIONS = "/train/sessions"
+SESSION = "/train/sessions/{session_id}"
+STEP = "/train/sessions/{session_id}/step"
+EMBED = "/train/sessions/{session_id}/embed"
+BEST = "/train/sessions/{session_id}/best"
+FINISH = "/train/sessions/{session_id}/finish"
+CHECKPOINTS = "/train/sessions/{session_id}/checkpoints"
+RESTORE = "/train/sessions/{session_id}/restore"
+PRIVACY = "/train/sessions/{session_id}/privacy"
+
+
+# --- JSON messages -----------------------------------------------------------------------------
+
+
+class TrainSessionInfo(Message):
+    session: str
+    embedding_width: int = Field(ge=1)
+
+
+class FinishRequest(Message):
+    restore_best: bool = True
+
+
+class ModelFiles(Message):
+    """What a party wrote when training finished: file names and their SHA-256, in its own folder."""
+
+    session: str
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+class CheckpointList(Message):
+    session: str
+    steps: list[int]
+
+
+class RestoreRequest(Message):
+    step: int = Field(ge=0)
+
+
+class PrivacyReport(Message):
+    """A partner's embedding-DP spend so far: the ε of its most-released row."""
+
+    session: str
+    enabled: bool
+    epsilon: float | None = None
+    delta: float | None = None
+    max_releases: int | None = None
+    noise_multiplier: float | None = None
+    budget: float | None = None
+
+
+# --- tensor messages ---------------------------------------------------------------------------
+
+
+def checked(
+    body: bytes, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
+) -> WireMessage:
+    """``body`` decoded with only ``allowed`` tensors, and (when given) naming ``session``, as the URL does."""
+    message = decode(body, allowed, check_finite=check_finite)
+    if session is not None and message.meta.get("session") != session:
+        raise BadMessage("the message names another session than the URL")
+    return message
+
+
+def _required(message: WireMessage, name: str) -> torch.Tensor:
+    tensor = message.get(name)
+    if tensor is None:
+        raise BadMessage(f"the message carries no {name}")
+    return tensor
+
+
+def _optional_int(message: WireMessage, key: str) -> int | None:
+    return message.int_meta(key) if key in message.meta else None
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """Open a training session on an alignment: the positions of the training rows."""
+
+    TENSORS: ClassVar[dict[str, torch.dtype]] = {"train_rows": torch.int64}
+    session: str
+    alignment: str
+    train_rows: torch.Tensor
+
+    def encode(self) -> bytes:
+        return encode({"train_rows": self.train_rows}, session=self.session, alignment=self.alignment)
+
+    @classmethod
+    def decode(cls, body: bytes) -> StartRequest:
+        message = checked(body, cls.TENSORS, None)
+        return cls(message.meta.get("session", ""), message.meta.get("alignment", ""),
+                   _required(message, "train_rows"))
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """Step ``step``: the gradient of the previous step's embedding, and the rows to embed next.
+
+    ``grad`` is absent on the first step, ``rows`` on the final flush.
+    ``checkpoint``: save state once the step is applied; ``keep_from``: the
+    newest step every party has on disk (older checkpoints may go).
+    """
+
+    TENSORS: ClassVar[dict[str, torch.dtype]] = {"grad": torch.float32, "rows": torch.int64}
+    session: str
+    step: int
+    grad: torch.Tensor | None
+    rows: torch.Tensor | None
+    checkpoint: bool = False
+    keep_from: int | None = None
+
+    def encode(self) -> bytes:
+        tensors = {k: v for k, v in (("grad", self.grad), ("rows", self.rows)) if v is not None}
+        meta: dict[str, object] = {"session": self.session, "step": self.step}
+        if self.checkpoint:
+            meta |= {"checkpoint": 1} | ({} if self.keep_from is None else {"keep_from": self.keep_from})
+        return encode(tensors, **meta)
+
+    @classmethod
+    def decode(cls, body: bytes, session: str) -> StepRequest:
+        """The step addressed to ``session``. Finiteness is left to the trainer, which checks it on every path."""
+        message = checked(body, cls.TENSORS, session, check_finite=False)
+        return cls(session, message.int_meta("step"), message.get("grad"), message.get("rows"),
+                   message.meta.get("checkpoint") == "1", _optional_int(message, "keep_from"))
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """The embedding of the step's rows (none on the final flush), and the newest step on the party's disk."""
+
+    TENSORS: ClassVar[dict[str, torch.dtype]] = {"embedding": torch.float32}
+    session: str
+    step: int
+    embedding: torch.Tensor | None
+    durable: int | None = None
+
+    def encode(self) -> bytes:
+        durable = {} if self.durable is None else {"durable": self.durable}
+        tensors = {} if self.embedding is None else {"embedding": self.embedding}
+        return encode(tensors, session=self.session, step=self.step, **durable)
+
+    @classmethod
+    def decode(cls, body: bytes) -> StepReply:
+        message = decode(body, cls.TENSORS)
+        return cls(message.meta.get("session", ""), _optional_int(message, "step") or 0,
+                   message.get("embedding"), _optional_int(message, "durable"))
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """Embed these rows with the current weights, changing nothing (evaluation)."""
+
+    TENSORS: ClassVar[dict[str, torch.dtype]] = {"rows": torch.int64}
+    session: str
+    rows: torch.Tensor
+
+    def encode(self) -> bytes:
+        return encode({"rows": self.rows}, session=self.session)
+
+    @classmethod
+    def decode(cls, body: bytes, session: str) -> EmbedRequest:
+        return cls(session, _required(checked(body, cls.TENSORS, session), "rows"))
+
+
+@dataclass(frozen=True)
+class EmbedReply:
+    TENSORS: ClassVar[dict[str, torch.dtype]] = {"embedding": torch.float32}
+    session: str
+    embedding: torch.Tensor | None
+
+    def encode(self) -> bytes:
+        return encode({} if self.embedding is None else {"embedding": self.embedding}, session=self.session)
+
+    @classmethod
+    def decode(cls, body: bytes) -> EmbedReply:
+        message = decode(body, cls.TENSORS)
+        return cls(message.meta.get("session", ""), message.get("embedding"))
