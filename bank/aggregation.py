@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from bank.config import AggregationName
 from parties.errors import ConfigError
 
 __all__ = ["AGGREGATIONS", "Aggregation", "AggregationName", "get_aggregation"]
-
-AggregationName = Literal["concat", "sum", "mean"]
-
 
 @dataclass(frozen=True)
 class Aggregation:
