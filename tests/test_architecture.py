@@ -5,6 +5,7 @@
 - The product never imports the lab (``bank.lab``: simulation and study tooling). The lab plays
   every party on one machine, so it alone may import the partner's service.
 - A PSI worker process needs neither FastAPI, pandas nor torch.
+- A command line's ``--help`` needs none of them either: its handlers import them when they run.
 """
 
 from __future__ import annotations
@@ -98,3 +99,11 @@ def _loaded_after(statement: str) -> dict[str, object]:
 def test_light_modules_stay_light(statement: str) -> None:
     loaded = _loaded_after(statement)
     assert loaded["heavy"] == [], f"{statement!r} loads {loaded['heavy']}"
+
+
+@pytest.mark.parametrize("cli", ["bank", "partner", "data", "parties"])
+def test_a_command_line_loads_torch_pandas_and_fastapi_only_when_a_command_runs(cli: str) -> None:
+    loaded = _loaded_after(f"import {cli}.__main__ as cli\ncli.build_parser()")  # what --help does
+    # pydantic stays: help texts state their defaults from the settings models the commands build.
+    heavy = [m for m in loaded["heavy"] if m != "pydantic"]
+    assert heavy == [], f"python -m {cli} --help loads {heavy}"
