@@ -2,7 +2,8 @@
 
 Pluggable: an aggregation is a function from the list of embeddings (the
 bank's own first, then the partners' in a fixed order) to one tensor, plus
-the width it produces. Add one by adding it to ``AGGREGATIONS``.
+the width it produces. Add one by adding it to ``AGGREGATIONS`` and its name to
+``AggregationName`` (in bank/config.py, which the command line reads without torch).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from bank.config import AggregationName
 from parties.errors import ConfigError
 
 __all__ = ["AGGREGATIONS", "Aggregation", "AggregationName", "get_aggregation"]
+
 
 @dataclass(frozen=True)
 class Aggregation:

@@ -16,6 +16,7 @@ from parties.errors import ConfigError, DataError
 
 __all__ = ["Task", "TaskKind"]
 
+
 @dataclass
 class Task:
     kind: TaskKind = "binary"
