@@ -2,22 +2,21 @@
 
 Pluggable: an aggregation is a function from the list of embeddings (the
 bank's own first, then the partners' in a fixed order) to one tensor, plus
-the width it produces. Add one by adding it to ``AGGREGATIONS``.
+the width it produces. Add one by adding it to ``AGGREGATIONS`` and its name to
+``AggregationName`` (in bank/config.py, which the command line reads without torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from bank.config import AggregationName
 from parties.errors import ConfigError
 
 __all__ = ["AGGREGATIONS", "Aggregation", "AggregationName", "get_aggregation"]
-
-AggregationName = Literal["concat", "sum", "mean"]
 
 
 @dataclass(frozen=True)

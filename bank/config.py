@@ -6,11 +6,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bank.aggregation import AggregationName
-from bank.task import TaskKind
-from parties.learning.model import BottomConfig, OptimizerConfig
+from parties.learning.config import BottomConfig, OptimizerConfig
 
-__all__ = ["TopConfig", "TrainingConfig"]
+__all__ = ["AggregationName", "TaskKind", "TopConfig", "TrainingConfig"]
+
+# Here rather than beside their torch code (bank/task.py, bank/aggregation.py): this module stays light
+# enough for the command line's --help to read its defaults.
+TaskKind = Literal["binary", "multiclass", "regression"]
+AggregationName = Literal["concat", "sum", "mean"]
 
 
 class TopConfig(OptimizerConfig):

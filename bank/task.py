@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from sklearn import metrics as skm
 
+from bank.config import TaskKind
 from parties.errors import ConfigError, DataError
 
 __all__ = ["Task", "TaskKind"]
-
-TaskKind = Literal["binary", "multiclass", "regression"]
 
 
 @dataclass

@@ -6,13 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
-from data.prepare import prepare_bank_marketing
 from data.uci import BANK_MARKETING_URL, locate_bank_full
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError
-from parties.tables.schema import PartySchema, sidecar_path
-from parties.tables.table import load_party_table
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -32,11 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    fetch = command(sub, "fetch", "put a verified bank-full.csv into the data cache")
+    fetch = command(sub, "fetch", "put a verified bank-full.csv into the data cache", handler=_fetch_command)
     fetch.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     fetch.add_argument("--url", default=BANK_MARKETING_URL, help="the UCI archive (default %(default)s)")
 
-    bm = command(sub, "bank-marketing", "write the walkthrough's per-party files")
+    bm = command(sub, "bank-marketing", "write the walkthrough's per-party files", handler=_bank_marketing_command)
     bm.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
     bm.add_argument("--partners", type=int, default=1, help="spread the partner columns over N partners (default %(default)s)")
     bm.add_argument("--partner-names", default=None, help="comma-separated names, one per partner")
@@ -51,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     bm.add_argument("--no-download", action="store_true", help="fail instead of downloading")
 
-    gen = command(sub, "partition", "split any CSV vertically")
+    gen = command(sub, "partition", "split any CSV vertically", handler=_partition_command)
     gen.add_argument("--csv", type=Path, required=True, help="the whole table, one row per customer")
     gen.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
     gen.add_argument("--sep", default=None, help="field separator (default: ';' or ',' from the header)")
@@ -69,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="seed of who holds which customer (default %(default)s)")
     gen.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
-    sch = command(sub, "schema", "show a table's schema (inferred, or its schema file) and write one to edit")
+    sch = command(sub, "schema", "show a table's schema (inferred, or its schema file) and write one to edit",
+                  handler=_schema_command)
     sch.add_argument("file", type=Path, help="a party's CSV or Parquet file")
     sch.add_argument("--id-column", default=None, help="the customer ID column (default: the schema file's, else customer_id)")
     sch.add_argument("--label", default=None, help="the label column, for the bank's table (default: none)")
@@ -87,7 +84,13 @@ def _list(text: str | None) -> tuple[str, ...]:
     return tuple(c.strip() for c in (text or "").split(",") if c.strip())
 
 
+# The handlers import pandas when they run: --help does not need it.
+
+
 def _schema_command(args: argparse.Namespace) -> int:
+    from parties.tables.schema import PartySchema, sidecar_path
+    from parties.tables.table import load_party_table
+
     table = load_party_table(args.file, args.id_column, args.label, labelled=args.label is not None,
                              categorical=_list(args.categorical), numeric=_list(args.numeric))
     schema = PartySchema(id_column=table.id_column, label_column=args.label, numeric=table.schema.numeric,
@@ -103,49 +106,63 @@ def _schema_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_command(args: argparse.Namespace) -> int:
+    print(locate_bank_full(args.cache_dir, url=args.url))
+    return 0
+
+
+def _bank_marketing_command(args: argparse.Namespace) -> int:
+    from data.prepare import prepare_bank_marketing
+
+    names = args.partner_names.split(",") if args.partner_names else None
+    paths = prepare_bank_marketing(
+        args.out,
+        n_partners=args.partners,
+        partner_names=names,
+        seed=args.seed,
+        rows=args.rows,
+        bank_coverage=args.bank_coverage,
+        partner_coverage=args.partner_coverage,
+        cache=args.cache_dir,
+        download=not args.no_download,
+    )
+    _print_paths(paths)
+    return 0
+
+
+def _partition_command(args: argparse.Namespace) -> int:
+    from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
+
+    if not args.party:
+        raise ConfigError("give at least one --party NAME=COL,COL")
+    coverage = {k: float(v) for k, v in _pairs(args.coverage, "--coverage").items()}
+    parties = _pairs(args.party, "--party")
+    unknown = set(coverage) - set(parties)
+    if unknown:
+        raise ConfigError(f"--coverage names unknown parties: {sorted(unknown)}")
+    spec = PartitionSpec(
+        parties=tuple(PartySpec(n, tuple(c.split(",")), coverage.get(n, 1.0)) for n, c in parties.items()),
+        label_column=args.label,
+        label_party=args.label_party,
+        id_column=args.id_column,
+        seed=args.seed,
+        categorical=_list(args.categorical),
+        numeric=_list(args.numeric),
+    )
+    frame = read_source_csv(args.csv, args.sep)
+    _print_paths(write_partition(partition(frame, spec, str(args.csv)), spec, args.out))
+    return 0
+
+
+def _print_paths(paths: dict[str, Path]) -> None:
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "INFO"))
-    if args.command == "fetch":
-        print(locate_bank_full(args.cache_dir, url=args.url))
-        return 0
-    if args.command == "schema":
-        return _schema_command(args)
-    if args.command == "bank-marketing":
-        names = args.partner_names.split(",") if args.partner_names else None
-        paths = prepare_bank_marketing(
-            args.out,
-            n_partners=args.partners,
-            partner_names=names,
-            seed=args.seed,
-            rows=args.rows,
-            bank_coverage=args.bank_coverage,
-            partner_coverage=args.partner_coverage,
-            cache=args.cache_dir,
-            download=not args.no_download,
-        )
-    else:
-        if not args.party:
-            raise ConfigError("give at least one --party NAME=COL,COL")
-        coverage = {k: float(v) for k, v in _pairs(args.coverage, "--coverage").items()}
-        parties = _pairs(args.party, "--party")
-        unknown = set(coverage) - set(parties)
-        if unknown:
-            raise ConfigError(f"--coverage names unknown parties: {sorted(unknown)}")
-        spec = PartitionSpec(
-            parties=tuple(PartySpec(n, tuple(c.split(",")), coverage.get(n, 1.0)) for n, c in parties.items()),
-            label_column=args.label,
-            label_party=args.label_party,
-            id_column=args.id_column,
-            seed=args.seed,
-            categorical=_list(args.categorical),
-            numeric=_list(args.numeric),
-        )
-        frame = read_source_csv(args.csv, args.sep)
-        paths = write_partition(partition(frame, spec, str(args.csv)), spec, args.out)
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    return 0
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,16 @@ def default_of(model: type[BaseModel], field: str) -> str:
     return show(value)
 
 
-def command(sub: argparse._SubParsersAction, name: str, summary: str, **kwargs: object) -> argparse.ArgumentParser:
-    """A subcommand whose ``--help`` opens with the same line the command list shows."""
-    return sub.add_parser(name, help=summary, description=summary, **kwargs)  # type: ignore[arg-type]
+def command(sub: argparse._SubParsersAction, name: str, summary: str, *,
+            handler: Callable[[argparse.Namespace], int] | None = None, **kwargs: object) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` opens with the same line the command list shows.
+
+    ``handler`` runs the command: the entry point's ``main`` calls ``args.handler(args)``.
+    """
+    parser = sub.add_parser(name, help=summary, description=summary, **kwargs)  # type: ignore[arg-type]
+    if handler is not None:
+        parser.set_defaults(handler=handler)
+    return parser
 
 
 def description(doc: str | None) -> str:

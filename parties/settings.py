@@ -6,18 +6,18 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from parties.errors import ConfigError
-from parties.learning.embedding_dp import PrivacyConfig
-from parties.learning.hijack_monitor import MonitorConfig
-from parties.learning.model import BottomConfig
-from parties.tables.table import PartyTable, load_party_table
+from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
 from parties.transport.tls import Role, TLSFiles, is_loopback
+
+if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
+    from parties.tables.table import PartyTable
 
 __all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
 
@@ -111,6 +111,8 @@ class ServiceSettings(BaseSettings):
 
     def load_table(self) -> PartyTable:
         """This party's own table, read through its schema (file, flags, inference)."""
+        from parties.tables.table import load_party_table
+
         return load_party_table(self.data, self.id_column, schema_path=self.schema_file,
                                 categorical=self.categorical, numeric=self.numeric)
 
@@ -186,6 +188,8 @@ class BankSettings(ServiceSettings):
     )
 
     def load_table(self) -> PartyTable:
+        from parties.tables.table import load_party_table
+
         return load_party_table(self.data, self.id_column, self.label, schema_path=self.schema_file, labelled=True,
                                 categorical=self.categorical, numeric=self.numeric)
 

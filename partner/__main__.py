@@ -3,34 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from alignment.parallel import start_fork_server
-from parties.cli import (
-    add_service_arguments,
-    apply_process_settings,
-    command,
-    configure_logging,
-    default_of,
-    description,
-    run_cli,
-    service_values,
-)
-from parties.learning.embedding_dp import PrivacyConfig
-from parties.learning.hijack_monitor import MonitorConfig
-from parties.learning.model import BottomConfig
-from parties.settings import PartnerSettings, load_settings
-from parties.transport.server import serve
-from partner.service import create_app
-
-logger = logging.getLogger("partner")
+from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
+from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m partner", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    s = command(sub, "serve", "serve the partner's endpoints")
+    s = command(sub, "serve", "serve the partner's endpoints", handler=serve)
     add_service_arguments(s)
     b = s.add_argument_group("this partner's own bottom model")
     b.add_argument("--hidden", default=None,
@@ -57,9 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    return args.handler(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: --help and a mistyped flag need none of torch, pandas or FastAPI.
+    from alignment.parallel import start_fork_server
+    from parties.cli import apply_process_settings, service_values
+    from parties.settings import PartnerSettings, load_settings
+    from parties.transport.server import serve as serve_app
+    from partner.service import create_app
+
     bottom = {
         "hidden": tuple(int(h) for h in args.hidden.split(",") if h) if args.hidden is not None else None,
         "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
@@ -75,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_settings(settings.torch_threads, settings.cpus)
     table = settings.load_table()
     start_fork_server(settings.workers)
-    serve(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+    serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0
 
 

@@ -14,24 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from parties.errors import BudgetExhausted
+from parties.learning.config import PrivacyConfig
 from parties.protocol.training import PrivacyReport
 
 __all__ = ["EmbeddingDP", "PrivacyConfig", "epsilon_after"]
-
-
-class PrivacyConfig(BaseModel):
-    """A partner's own privacy settings (off unless ``clip`` is set)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    clip: float | None = Field(None, gt=0, description="L2 bound on each released embedding row")
-    noise: float = Field(0.0, ge=0, description="Gaussian noise std added to each coordinate")
-    delta: float = Field(1e-5, gt=0, lt=1)
-    budget: float | None = Field(None, gt=0, description="refuse releases past this ε")
-    seed: int = 0
 
 
 def epsilon_after(releases: int, noise_multiplier: float, delta: float) -> float:

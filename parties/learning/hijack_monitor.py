@@ -23,21 +23,12 @@ import logging
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+
+from parties.learning.config import MonitorConfig
 
 __all__ = ["HijackMonitor", "MonitorConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-class MonitorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    probe_every: int = Field(0, ge=0, description="probe every N steps (0: the monitor is off)")
-    pairs: int = Field(4, ge=1, description="embeddings copied per probe step")
-    threshold: float = Field(1e-3, gt=0, description="alarm when the median relative difference is under this")
-    min_pairs: int = Field(8, ge=1, description="pairs observed before any verdict")
-    seed: int = 0
 
 
 class HijackMonitor:

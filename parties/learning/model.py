@@ -4,29 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from parties.learning.config import BottomConfig, OptimizerConfig
+
 __all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp"]
-
-
-class OptimizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    optimizer: Literal["adam", "sgd"] = "adam"
-    learning_rate: float = Field(5e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-
-
-class BottomConfig(OptimizerConfig):
-    """A party's own bottom model: its architecture, optimizer and seed are its own business."""
-
-    hidden: tuple[int, ...] = (64,)
-    cut_width: int = Field(16, ge=1, le=4096)
-    seed: int = 0
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:

@@ -1,0 +1,281 @@
+"""What each ``python -m bank`` subcommand does, given its parsed flags (``bank/__main__.py`` declares them).
+
+A handler imports what it needs (torch, pandas, the service, the lab) when it runs, so that
+``--help`` and a mistyped flag cost what argparse costs, not what training costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from bank.cli import print_scoring, print_summary
+from bank.config import TopConfig, TrainingConfig
+from parties.errors import ConfigError
+from parties.learning.config import BottomConfig
+
+if TYPE_CHECKING:
+    from bank.operator import BankOperator
+    from parties.protocol.control import JobStatus
+    from parties.transport.tls import TLSFiles
+
+__all__ = [
+    "align", "bench", "privacy_study", "psi_bench", "report", "score", "serve", "sessions", "subset_study", "train",
+    "walkthrough",
+]
+
+
+def serve(args: argparse.Namespace) -> int:
+    from alignment.parallel import start_fork_server
+    from bank.service import create_app
+    from parties.cli import apply_process_settings, service_values
+    from parties.settings import BankSettings, load_settings
+    from parties.transport.server import serve as serve_app
+
+    settings = load_settings(
+        BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner),
+        peer_retry_deadline=args.peer_retry_deadline,
+    )
+    assert isinstance(settings, BankSettings)
+    apply_process_settings(settings.torch_threads, settings.cpus)
+    table = settings.load_table()
+    start_fork_server(settings.workers)
+    serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+    return 0
+
+
+def _partners(items: list[str]) -> dict[str, str] | None:
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url:
+            raise ConfigError(f"--partner takes NAME=URL, got {item!r}")
+        out[name] = url
+    return out
+
+
+# --- the operator's commands: through the running bank service ---------------------------------------------
+
+
+def align(args: argparse.Namespace) -> int:
+    from bank.operator import BankOperator
+    from parties.protocol.control import AlignmentRequest
+
+    tls = _operator_tls(args)
+    request = AlignmentRequest(
+        partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection
+    )
+    with BankOperator(args.url, tls, args.name) as operator:
+        result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    if args.print_config:
+        print(_train_config(args).model_dump_json(indent=2))
+        return 0
+    from bank.operator import BankOperator
+
+    tls = _operator_tls(args)
+    config = _train_config(args)
+    with BankOperator(args.url, tls, args.name) as operator:
+        job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
+        result = _follow(operator, job, "training")
+    print(json.dumps({k: result[k] for k in ("session", "run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+    connection = f"--url {args.url} " + ("--insecure" if args.insecure else f"--tls-dir {args.tls_dir}")
+    print(f"\nmodel id: {result['session']}\n"
+          f"next, score new customers (a CSV of IDs and the bank's own columns):\n"
+          f"  python -m bank score {connection} --model {result['session']} "
+          f"--data new_customers.csv --out scores.csv")
+    return 0
+
+
+def sessions(args: argparse.Namespace) -> int:
+    from bank.operator import BankOperator
+
+    tls = _operator_tls(args)
+    with BankOperator(args.url, tls, args.name) as operator:
+        if args.end:
+            operator.end_session(args.end)
+            print(f"session {args.end} ended")
+        for s in operator.sessions().sessions:
+            print(f"{s.session}  {s.state}")
+    return 0
+
+
+def score(args: argparse.Namespace) -> int:
+    from bank.operator import BankOperator
+
+    tls = _operator_tls(args)
+    try:
+        csv = args.data.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{args.data}: cannot read ({exc.strerror})") from exc
+    with BankOperator(args.url, tls, args.name) as operator:
+        job = operator.start_scoring(args.model, csv, args.allow_missing)
+        result = _follow(operator, job, "scoring")
+        args.out.write_bytes(operator.scores(job.job_id))
+    print_scoring(result, args.out)
+    return 0
+
+
+def _operator_tls(args: argparse.Namespace) -> TLSFiles | None:
+    """The bank's certificate for calling its own service, or ``None`` with ``--insecure``."""
+    from parties.transport.tls import TLSFiles
+
+    if args.url is None:
+        raise ConfigError("give --url: the bank service, e.g. https://127.0.0.1:8443")
+    if args.tls_dir is None and not args.insecure:
+        raise ConfigError("give --tls-dir (the bank's certificate) or --insecure")
+    return None if args.insecure else TLSFiles.from_dir(args.tls_dir, args.name)
+
+
+def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]:
+    """Wait for a job with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    with tqdm(total=1000, desc=desc, bar_format="{l_bar}{bar}| {postfix}") as bar:
+
+        def show(status: JobStatus) -> None:
+            bar.n = int(1000 * (status.fraction or 0))
+            bar.set_postfix_str(status.progress[:60])
+
+        result = operator.wait(job, on_progress=show)
+        bar.n = bar.total  # the job is done: whatever its last progress report said
+        bar.refresh()
+        return result
+
+
+def _train_config(args: argparse.Namespace) -> TrainingConfig:
+    """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
+    return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
+                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit)
+
+
+def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
+    from parties.settings import describe_problems
+
+    values: dict[str, object] = {}
+    if path is not None:
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: training settings are a JSON object, e.g. {{\"epochs\": 20}}")
+    values |= {k: v for k, v in overrides.items() if v is not None}
+    where = f" in {path}" if path else ""
+    misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
+    if misplaced:
+        raise ConfigError(f"invalid training settings{where}: {'; '.join(misplaced)}")
+    try:
+        return TrainingConfig(**values)
+    except ValidationError as exc:
+        problems = describe_problems(exc, lambda loc: ".".join(str(p) for p in loc))
+        raise ConfigError(f"invalid training settings{where}: {problems}") from exc
+
+
+def _misplaced(key: str) -> str:
+    """Say where an unknown top-level key belongs, if it is a setting of a nested model."""
+    homes = [name for name, model in (("bank_bottom", BottomConfig), ("top", TopConfig)) if key in model.model_fields]
+    if not homes:
+        return f"{key!r} is not a training setting (python -m bank train --print-config lists them)"
+    example = f'{{"{homes[0]}": {{"{key}": ...}}}}'
+    return f"{key!r} is not a top-level setting: it belongs under {' or '.join(map(repr, homes))}, e.g. {example}"
+
+
+# --- the lab's commands: simulation and study tooling -------------------------------------------------------
+
+
+def report(args: argparse.Namespace) -> int:
+    from bank.lab.analysis import load_run, write_report
+
+    run = load_run(args.run)
+    written = write_report(run, references=not args.no_references, partition=args.partition)
+    for name, table in written["tables"].items():
+        print(f"\n== {name}\n{table.to_string(index=False)}")
+    for note in written["notes"]:
+        print(f"\n{note}")
+    print(f"\nwritten to {run.path / 'analysis'}")
+    return 0
+
+
+def subset_study(args: argparse.Namespace) -> int:
+    from bank.lab.analysis import load_run
+    from bank.lab.subset_study import run_subset_study
+
+    run = load_run(args.run)
+    tables = run_subset_study(run, seeds=args.seeds, partition=args.partition)
+    (run.path / "analysis").mkdir(exist_ok=True)
+    for name, table in tables.items():
+        table.to_csv(run.path / "analysis" / f"subset_study_{name}.csv", index=False)
+        print(f"\n== {name}\n{table.to_string(index=False, float_format=lambda v: f'{v:.4f}')}")
+    print(f"\nwritten to {run.path / 'analysis'}")
+    return 0
+
+
+def privacy_study(args: argparse.Namespace) -> int:
+    from bank.lab.privacy_study import hijack_rates, run_study
+
+    table = run_study(args.out, rows=args.rows, epochs=args.epochs, cache=args.cache_dir,
+                      progress=lambda name: print(f"... {name}", file=sys.stderr))
+    rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
+    print(table.to_string(index=False))
+    print()
+    print(rates.to_string(index=False))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from bank.lab.bench import bench_json, format_bench, run_training_bench
+
+    figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
+                                 progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                 batch_size=args.batch_size)
+    print(format_bench(figures))
+    if args.json:
+        args.json.write_text(bench_json(figures) + "\n")
+    return 0
+
+
+def psi_bench(args: argparse.Namespace) -> int:
+    from bank.lab.psi_bench import format_result, run_bench, to_json
+    from parties.storage.files import atomic_write_text
+
+    result = run_bench(args.size, args.overlap, args.seed, args.workers)
+    print(format_result(result))
+    if args.json:
+        atomic_write_text(args.json, to_json(result) + "\n")
+    return 0
+
+
+# --- the walkthrough: every party on this machine, end to end -----------------------------------------------
+
+
+def walkthrough(args: argparse.Namespace) -> int:
+    from bank.walkthrough import WalkthroughConfig, run_walkthrough
+
+    out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
+                                label_dp_epsilon=args.label_dp_epsilon, gradient_defense=args.gradient_defense,
+                                gradient_noise=args.gradient_noise)
+    partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
+        ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
+        ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
+    summary = run_walkthrough(
+        WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
+                          cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,
+                          training=training, partner_args=tuple(partner_args))
+    )
+    print_summary(out, summary)
+    return 0
