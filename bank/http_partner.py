@@ -7,7 +7,7 @@ routes of ``parties.protocol``: it owns the retry policy (tenacity, one
 policy), its connections (an httpx client and, for steps, a kept-alive
 ``Channel``; ``close`` or a ``with`` block ends them with the job), the byte
 and round-trip counts, and the mapping of a partner's refusals to
-``parties.errors``. ``bank.in_process.InProcessParty`` implements
+``parties.errors``. ``bank.in_process_party.InProcessParty`` implements
 ``TrainingParty`` in the bank's own process; the same contract tests run
 against both.
 """

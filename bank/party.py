@@ -3,7 +3,7 @@
 ``TrainingParty`` is what the training coordinator (``bank.trainer``) needs,
 ``ScoringParty`` what scoring (``bank.scoring``) needs.
 ``bank.http_partner.HttpPartner`` carries both to a partner's service over
-mutual TLS; ``bank.in_process.InProcessParty`` runs the bank's own bottom
+mutual TLS; ``bank.in_process_party.InProcessParty`` runs the bank's own bottom
 model in its process. The coordinators know only these protocols: retries,
 connections and byte counts are the carrier's business.
 """

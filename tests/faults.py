@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: the project's root on the path
 
 from bank.config import TrainingConfig
 from bank.http_partner import HttpPartner
-from bank.in_process import InProcessParty
+from bank.in_process_party import InProcessParty
 from bank.task import Task
 from bank.trainer import Coordinator
 from parties.learning.model import BottomConfig

@@ -95,7 +95,7 @@ def _loaded_after(statement: str) -> dict[str, object]:
     ("import alignment.curve", set()),  # what a PSI worker process imports
     ("import alignment.parallel", set()),  # the pool, in every process that runs PSI
     # The protocol driver reads the PSI exchange's constants from parties.protocol.psi (pydantic messages).
-    ("import alignment.psi, alignment.in_process", {"pydantic"}),
+    ("import alignment.psi, alignment.in_process_peer", {"pydantic"}),
     ("import parties.errors, parties.storage.files, parties.tables.ids", set()),
 ])
 def test_light_modules_stay_light(statement: str, allowed: set[str]) -> None:

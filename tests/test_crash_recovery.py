@@ -17,7 +17,7 @@ from alignment.parallel import WorkerPool
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
 from bank.http_partner import HttpPartner
-from bank.in_process import InProcessParty
+from bank.in_process_party import InProcessParty
 from bank.operator import BankOperator
 from bank.task import Task
 from bank.trainer import Coordinator

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Response
 
 from alignment import curve, psi
-from alignment.in_process import LocalPsiPeer
+from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
 from bank.aligner import align_with_partners

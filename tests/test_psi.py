@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from alignment import curve
-from alignment.in_process import LocalPsiPeer
+from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, intersect, run_initiator
 from parties.errors import BadMessage, OutOfOrder

@@ -11,7 +11,7 @@ import pytest
 from alignment.parallel import WorkerPool
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.in_process import InProcessParty
+from bank.in_process_party import InProcessParty
 from bank.operator import BankOperator
 from bank.task import Task
 from bank.trainer import Coordinator

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from bank.config import TrainingConfig
-from bank.in_process import InProcessParty
+from bank.in_process_party import InProcessParty
 from bank.lab.audit import inversion_rows, leakage_rows
 from bank.task import Task
 from bank.trainer import Coordinator
