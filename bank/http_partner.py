@@ -108,7 +108,7 @@ class HttpPartner:
         self.durable: int | None = None  # the newest step the partner says it has on disk
 
     def close(self) -> None:
-        """Close this proxy's step connection (the job is over); the next step would open a new one."""
+        """Close this proxy's step connection for good: the job is over."""
         if self.channel is not None:
             self.channel.close()
 

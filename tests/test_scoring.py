@@ -12,7 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import bank.core
 from bank.config import TrainingConfig
+from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerError
@@ -130,3 +132,24 @@ def test_scoring_releases_are_noised_and_counted_under_embedding_dp(pki, bank_fu
     assert dp.releases.max() == 2  # each scored customer released twice, both counted
     scored = first["status"] == "scored"
     assert scored.sum() > 100 and not np.allclose(first["score"][scored], second["score"][scored])  # fresh noise
+
+
+def test_jobs_leave_no_connection_to_the_partner_open(trained, tmp_path: Path, monkeypatch) -> None:
+    """A job closes its connections to the partner when it ends, even while something still holds its proxies
+    (a job's result, or a failed job's traceback, can)."""
+    op, result, paths, partner, _ = trained
+    held: list[HttpPartner] = []
+
+    class Held(HttpPartner):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            held.append(self)
+
+    monkeypatch.setattr(bank.core, "HttpPartner", Held)
+    path, _ = _new_customers(paths, result, tmp_path)
+    op.wait(op.start_scoring(result["session"], path.read_bytes()))
+    assert held and all(p.channel is not None and p.round_trips > 0 for p in held)
+    port = int(partner.url.rsplit(":", 1)[1])
+    open_to_partner = [line for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                       if line.split()[2] == f"0100007F:{port:04X}" and line.split()[3] == "01"]
+    assert open_to_partner == []
