@@ -212,3 +212,11 @@ def test_the_decision_is_logged_once(path_as, caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "2.77.0" in r.getMessage()]
     assert lines == [
         "torch fast path: off, the public API instead (torch 2.77.0 not verified (verified: torch 2.13.0))"]
+
+
+def test_ci_runs_the_public_path_too() -> None:
+    """A pass with the switch off, over the equivalence tests and the two that check which path a pass runs."""
+    ci = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    [fallback] = [line for line in ci.splitlines() if line.startswith(f"{speed.ENV_VAR}=0 python -m pytest ")]
+    assert {"tests/test_fast_path.py", "tests/test_hotpath.py", "tests/test_exactness.py"} <= set(fallback.split())
+    assert ci.strip().splitlines()[-1] == "python -m pytest"  # and then the README's test command, switch on
