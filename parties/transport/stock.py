@@ -171,16 +171,18 @@ class Connections:
     def opened(self, transport: asyncio.Transport) -> _Connection:
         no_delay(transport)
         connection = _Connection(transport, connection_tls(transport), self.timeouts)
-        connection.arm("header")  # the first request's head is due within the header timeout
         key = connection_key(transport)
-        if key is not None:
-            other = self._open.get(key)
-            if other is not None and not other.transport.is_closing():
-                # Not for TCP; but if it happens, no request on either may borrow the other's certificate.
-                logger.warning("two open connections from %s: refusing the requests of both", peer_address(transport))
-                other.tls = connection.tls = _AMBIGUOUS
-            self._open[key] = connection
-            connection.key = key
+        if key is None:  # not TCP: its requests cannot be found, so they carry no certificate and no deadline
+            connection.busy = True  # which also keeps ``data_arrived`` from arming one
+            return connection
+        connection.arm("header")  # the first request's head is due within the header timeout
+        other = self._open.get(key)
+        if other is not None and not other.transport.is_closing():
+            # Not for TCP; but if it happens, no request on either may borrow the other's certificate.
+            logger.warning("two open connections from %s: refusing the requests of both", peer_address(transport))
+            other.tls = connection.tls = _AMBIGUOUS
+        self._open[key] = connection
+        connection.key = key
         return connection
 
     def closed(self, connection: _Connection) -> None:
