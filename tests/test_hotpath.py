@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import APIRouter, FastAPI
 from starlette.datastructures import State
 
-from parties.errors import OutOfOrder
+from parties import speed
+from parties.errors import Forbidden, OutOfOrder
 from parties.settings import PartnerSettings
+from parties.transport.access import identify
 from parties.transport.app import create_party_app
 from parties.transport.client import make_client
+from parties.transport.edges import Timeouts
 from parties.transport.hot_routes import HotPath, HotRequest, HotResponse, HotRoute
 from parties.transport.server import ServerThread
+from parties.transport.stock import Connections
 from parties.transport.tls import PeerIdentity, TLSFiles
 
 LIMIT = 1 << 16
@@ -130,13 +136,30 @@ def test_insecure_mode_needs_the_caller_header(pki: Path, tmp_path: Path) -> Non
         thread.stop()
 
 
-def test_hot_route_is_answered_by_the_protocol_without_asgi(
+def _count_asgi(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every hot request that goes through ``HotPath.handle`` (ASGI), by path."""
+    seen: list[str] = []
+    handle = HotPath.handle
+
+    async def counted(self: HotPath, route: HotRoute, params: dict, scope: dict, receive, send) -> None:  # noqa: ANN001
+        seen.append(scope["path"])
+        await handle(self, route, params, scope, receive, send)
+
+    monkeypatch.setattr(HotPath, "handle", counted)
+    return seen
+
+
+def test_this_pass_runs_the_protocol_its_switch_names(
     server: ServerThread, pki: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_asgi(*_args: object) -> None:
-        raise AssertionError("a hot request went through ASGI")
+    """CI runs the tests with ``CUTLAYER_FAST_PATH`` on and off: each pass must serve with the protocol it names.
 
-    monkeypatch.setattr(HotPath, "handle", no_asgi)
+    The fast protocol answers hot routes from the parser's callbacks; uvicorn's own sends them through ASGI."""
+    gate = server.server.speed
+    assert gate.active is speed.switched_on(), (
+        f"{gate}: with the switch on, uvicorn {uvicorn.__version__} must be a verified version; verify "
+        "parties/transport/fast_protocol.py on it (test_hotpath, test_service_edges) and add it to server.VERIFIED")
+    asgi = _count_asgi(monkeypatch)
     with _client(pki, "bank", server.url) as client:
         for i in range(3):  # one kept-alive connection, several exchanges
             response = client.post("/things/abc/echo", content=b"p%d" % i)
@@ -145,6 +168,7 @@ def test_hot_route_is_answered_by_the_protocol_without_asgi(
         assert client.post("/things/abc/echo", content=b"after").status_code == 200
         closing = client.post("/things/abc/echo", content=b"bye", headers={"connection": "close"})
         assert closing.status_code == 200 and closing.headers["connection"] == "close"
+    assert len(asgi) == (0 if gate.active else 6)
 
 
 def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None:
@@ -175,7 +199,7 @@ def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None
 
 
 def test_busy_polling_keeps_serving_and_ends_at_its_deadline() -> None:
-    from parties.transport.server import _BusyPoll
+    from parties.transport.fast_protocol import _BusyPoll
 
     async def scenario() -> tuple[float, float, bool]:
         loop = asyncio.get_running_loop()
@@ -216,3 +240,100 @@ def test_services_poll_for_steps_only_on_cpus_of_their_own(
     pki: Path, tmp_path: Path, extra: dict[str, object], seconds: float
 ) -> None:
     assert _settings(pki, tmp_path, **extra).step_poll_seconds == seconds
+
+
+# --- uvicorn's own protocol, wherever the fast one may not run -------------------------------------
+
+
+@pytest.mark.parametrize("why", ["unverified-uvicorn", "unverified-httptools", "switched-off"])
+def test_an_unverified_server_serves_with_uvicorns_own_protocol(
+    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """A newer uvicorn must not meet this project's subclass of its internals: its own protocol serves, with
+    the same identities, answers and refusals, and the fast protocol's module is never imported."""
+    import httptools
+
+    monkeypatch.setenv(speed.ENV_VAR, "0" if why == "switched-off" else "1")
+    if why == "unverified-uvicorn":
+        monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    elif why == "unverified-httptools":
+        monkeypatch.setattr(httptools, "__version__", "0.99.1")
+    monkeypatch.setitem(sys.modules, "parties.transport.fast_protocol", None)  # importing it would fail
+    settings = _settings(pki, tmp_path)
+    thread = ServerThread(_app(settings), settings.tls_files()).start()
+    asgi = _count_asgi(monkeypatch)
+    try:
+        gate = thread.server.speed
+        assert not gate.active
+        assert {"unverified-uvicorn": "uvicorn 0.99.0 not verified", "unverified-httptools": "httptools 0.99.1 not "
+                "verified", "switched-off": "CUTLAYER_FAST_PATH='0'"}[why] in gate.reason
+        with _client(pki, "bank", thread.url) as client:
+            for i in range(3):
+                assert client.post("/things/abc/echo", content=b"p%d" % i).content == b"bank:bank:abc:state:p%d" % i
+            assert client.post("/things/abc/cold").json() == {"thing": "abc"}
+            assert client.get("/identity").status_code == 200
+        with _client(pki, "partner2", thread.url) as client:
+            refused = client.post("/things/abc/echo", content=b"x")
+            assert refused.status_code == 403 and refused.json()["error"] == "Forbidden"
+            assert refused.headers["connection"] == "close"
+        with _client(pki, "bank", thread.url) as client:
+            assert client.post("/things/abc/echo", content=b"x" * (LIMIT + 1)).status_code == 413
+        assert asgi == ["/things/abc/echo"] * 5  # the hot routes went through ASGI
+    finally:
+        thread.stop()
+
+
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["fast-protocol", "uvicorns-protocol"])
+def test_each_connection_keeps_its_own_caller(
+    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str
+) -> None:
+    """Callers on open connections side by side are each told apart (uvicorn's own protocol finds a request's
+    certificate by its connection's addresses)."""
+    monkeypatch.setenv(speed.ENV_VAR, switch)
+    settings = _settings(pki, tmp_path)
+    thread = ServerThread(_app(settings), settings.tls_files()).start()
+    try:
+        assert thread.server.speed.active is (switch == "1")
+        with _client(pki, "bank", thread.url) as bank, _client(pki, "partner2", thread.url) as partner, \
+                _client(pki, "bank2", thread.url) as bank2:
+            for i in range(3):
+                assert bank.post("/things/a/echo", content=b"%d" % i).content == b"bank:bank:a:state:%d" % i
+                assert partner.post("/things/a/echo", content=b"x").status_code == 403
+                assert bank2.post("/things/b/echo", content=b"%d" % i).content == b"bank:bank2:b:state:%d" % i
+                assert partner.get("/identity").status_code == 200
+    finally:
+        thread.stop()
+
+
+def test_connections_that_cannot_be_told_apart_identify_nobody() -> None:
+    """TCP never has two open connections with the same addresses; if it had, neither may borrow a certificate."""
+    class Transport:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.closed = False
+
+        def get_extra_info(self, key: str, default: object = None) -> object:
+            cert = {"subject": ((("commonName", self.name),), (("organizationalUnitName", "bank"),))}
+            return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 443),
+                    "ssl_object": type("SSL", (), {"getpeercert": lambda _self: cert})()}.get(key, default)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+    async def scenario() -> list[object]:
+        connections = Connections(Timeouts())
+        scope = {"client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 443)}
+        first = connections.opened(Transport("bank"))  # type: ignore[arg-type]
+        found = [connections.find(scope).tls["identity"]]  # type: ignore[union-attr]
+        second = connections.opened(Transport("bank2"))  # type: ignore[arg-type]
+        found += [c.tls["identity"] for c in (first, second)]
+        found.append(connections.find(scope))
+        for c in (first, second):
+            c.disarm()
+        return found
+
+    one, first, second, found = asyncio.run(scenario())
+    assert one == PeerIdentity(name="bank", role="bank")
+    assert first is None and second is None
+    with pytest.raises(Forbidden, match="names no Cutlayer party"):
+        identify(type("Settings", (), {"insecure": False})(), {"extensions": {"tls": found.tls}})  # type: ignore

@@ -12,9 +12,9 @@ from sklearn.metrics import roc_auc_score
 from bank.config import TrainingConfig
 from bank.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
-from parties.errors import BudgetExhausted, CutlayerError
+from parties.errors import BudgetExhausted, ConfigError, CutlayerError
 from parties.learning.bottom import BottomTrainer
-from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig, epsilon_after
+from parties.learning.embedding_dp import RDP_ORDERS, EmbeddingDP, PrivacyConfig, epsilon_after
 from parties.learning.model import BottomConfig
 from tests.training_helpers import federation
 
@@ -40,6 +40,59 @@ def test_accounting_has_no_subsampling_amplification() -> None:
     # Noise multiplier 2 (σ = 4, C = 1): ε grows with every release of a row, as PRIVACY-NOTES computes.
     eps = [epsilon_after(k, 2.0, 1e-5) for k in (1, 10, 50)]
     assert 1.5 < eps[0] < 2.5 and 6.5 < eps[1] < 9 and 18 < eps[2] < 24
+
+
+def _accountants_epsilon(releases: int, noise_multiplier: float, delta: float) -> float:
+    """What Opacus's RDPAccountant reports after ``releases`` steps at sampling rate 1 (its public ``step``)."""
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    for _ in range(releases):
+        accountant.step(noise_multiplier=noise_multiplier, sample_rate=1.0)
+    return float(accountant.get_epsilon(delta))
+
+
+@pytest.mark.parametrize(("releases", "noise_multiplier", "delta"), [
+    (1, 2.0, 1e-5), (3, 0.25, 1e-5), (10, 0.25, 1e-5), (20, 1.0, 1e-5), (60, 1.0, 1e-6), (100, 1.0, 1e-5),
+    (30, 0.5, 1e-5), (400, 4.0, 1e-3),
+])
+def test_epsilon_is_the_accountants(releases: int, noise_multiplier: float, delta: float) -> None:
+    assert epsilon_after(releases, noise_multiplier, delta) == pytest.approx(
+        _accountants_epsilon(releases, noise_multiplier, delta), rel=0, abs=1e-9)
+
+
+def test_epsilon_uses_the_accountants_orders_and_known_figures() -> None:
+    from opacus.accountants import RDPAccountant
+
+    assert list(RDP_ORDERS) == list(RDPAccountant.DEFAULT_ALPHAS)
+    # The README's privacy table: C=1 with σ=2 and σ=0.5 (noise multipliers 1 and 0.25), 10 epochs, each row
+    # released once per epoch: ε 19 and 139.
+    assert epsilon_after(10, 1.0, 1e-5) == pytest.approx(19.0536, abs=1e-4)
+    assert epsilon_after(10, 0.25, 1e-5) == pytest.approx(138.6884, abs=1e-4)
+
+
+def test_epsilon_grows_with_every_release_and_is_cached() -> None:
+    eps = [epsilon_after(k, 1.0, 1e-5) for k in range(0, 40)]
+    assert eps[0] == 0.0 and all(b > a > 0 for a, b in zip(eps[1:], eps[2:]))
+    before = epsilon_after.cache_info().hits
+    epsilon_after(39, 1.0, 1e-5)
+    assert epsilon_after.cache_info().hits == before + 1
+    assert epsilon_after(5, 0.0, 1e-5) == float("inf")
+
+
+def test_epsilon_fails_loudly_without_opacus_analysis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Opacus that moved its RDP analysis must stop the run, not report ε = 0."""
+    import sys
+
+    epsilon_after.cache_clear()
+    monkeypatch.setitem(sys.modules, "opacus.accountants.analysis.rdp", None)
+    try:
+        with pytest.raises(ConfigError, match="compute_rdp, get_privacy_spent"):
+            epsilon_after(7, 1.3, 1e-5)
+        with pytest.raises(ConfigError):
+            EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.6, budget=100.0), 10).check(torch.arange(3))
+    finally:
+        epsilon_after.cache_clear()
 
 
 def test_a_release_over_budget_is_refused_and_changes_nothing() -> None:

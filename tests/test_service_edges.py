@@ -184,7 +184,7 @@ HEAD = b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100000\r\n"
 ], ids=["idle", "head", "body", "body-hot"])
 def test_a_trickling_client_is_cut_off(pki, start_partner, tiny_partner_csv, caplog, first, chunk) -> None:
     partner = start_partner(tiny_partner_csv, header_timeout=1.0, body_timeout=1.0)
-    caplog.set_level("WARNING", logger="parties.transport.server")
+    caplog.set_level("WARNING", logger="parties.transport")
     with tls_socket(pki, "bank", partner.url) as sock:
         sock.sendall(first) if first else None
         answer, closed_after = trickle_until_closed(sock, chunk, seconds=6)

@@ -13,6 +13,9 @@ reported is the median of the rounds' ratios, each from the median epoch.
 
 Per step, the bench also times the wire alone (``bank.lab.wire_floor``): a bare
 mutual-TLS round trip of one step's tensor bytes between the same two CPUs.
+
+It records which speed code ran (``parties.speed``): the services inherit this
+process's environment and libraries, so they decide as it does.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from bank.task import Task
 from bank.trainer import epoch_batches, split_rows
 from data.prepare import prepare_bank_marketing
 from parties.errors import ConfigError
+from parties.learning import fast_path
 from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, load_party_table
 from parties.transport.process import ServiceProcess
+from parties.transport.server import protocol_gate
 from parties.transport.tls import TLSFiles, write_dev_pki
 
 __all__ = ["TrainingBench", "run_training_bench"]
@@ -71,6 +76,7 @@ class TrainingBench:
     split_step_seconds: float  # per round trip of a training epoch (its steps and the final flush)
     unsplit_step_seconds: float
     wire_floor_seconds: float  # a bare mutual-TLS round trip of one step's tensor bytes
+    speed_code: tuple[str, ...] = ()  # which speed code the split side ran, and why (``parties.speed``)
 
 
 class _SplitServices:
@@ -206,6 +212,7 @@ def run_training_bench(
         split_step_seconds=round(float(np.median(split_steps)) / round_trips, 6),
         unsplit_step_seconds=round(float(np.median(unsplit_steps)) / (round_trips - 1), 6),
         wire_floor_seconds=round(floor, 6),
+        speed_code=(str(fast_path.status()), str(protocol_gate())),
     )
 
 
@@ -228,6 +235,7 @@ def format_bench(b: TrainingBench) -> str:
         f"  milliseconds per training step      split {1e3 * b.split_step_seconds:7.2f}"
         f"   unsplit {1e3 * b.unsplit_step_seconds:7.2f}   the wire alone {1e3 * b.wire_floor_seconds:5.2f}",
         "  (the wire alone: a bare mutual-TLS round trip of one step's tensor bytes between the same two CPUs)",
+        *(f"  {line}" for line in b.speed_code),
     ])
 
 

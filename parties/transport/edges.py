@@ -1,4 +1,5 @@
-"""A connection's edges, before HTTP: the listening socket, the TLS handshake, how long a request may take.
+"""A connection's edges, before HTTP: the listening socket, the TLS handshake, who is calling, how long a request
+may take.
 
 uvicorn hands TLS to the event loop's server, and the loop drops a refused
 handshake silently (asyncio logs it only in debug mode): an operator never
@@ -21,8 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from parties.errors import ConfigError
+from parties.transport.tls import peer_identity
 
-__all__ = ["TLSHandshake", "Timeouts", "bind_socket", "handshake_refusal", "peer_address", "tls_front"]
+__all__ = [
+    "TLSHandshake", "Timeouts", "bind_socket", "connection_tls", "handshake_refusal", "no_delay", "peer_address",
+    "tls_front",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,28 @@ class Timeouts:
 def peer_address(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "an unknown peer"
+
+
+def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
+    """The caller's verified certificate and the party it names, as each request's ``scope["extensions"]["tls"]``.
+
+    Read once per connection, not once per request; ``parties.transport.access.identify`` reads it.
+    """
+    ssl_object = transport.get_extra_info("ssl_object")
+    peercert = ssl_object.getpeercert() if ssl_object is not None else None
+    tls = {"peercert": peercert, "identity": peer_identity(peercert)}
+    if peercert and tls["identity"] is None:  # from our CA, yet no party: every request will be refused
+        logger.warning("TLS connection from %s: its certificate names no Cutlayer party and role (%s)",
+                       peer_address(transport), peercert.get("subject"))
+    return tls
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """Send small writes at once: uvicorn writes a response's head and body separately, and without
+    TCP_NODELAY the body waits for the client's delayed ACK (~40 ms) on every kept-alive request."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def handshake_refusal(exc: BaseException) -> str:
