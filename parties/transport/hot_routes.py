@@ -10,7 +10,7 @@ as any other route: the caller is identified from the same certificate
 errors become the same JSON answers with the same status codes.
 
 A ``HotExchange`` is one such request, fed its body as it arrives. The
-service's HTTP protocol (``parties.transport.server``) drives it directly from the
+service's HTTP protocol (``parties.transport.fast_protocol``) drives it directly from the
 parser's callbacks and writes the answer in one piece; ``HotPath.handle``
 drives the same exchange through ASGI, for any other server. Everything
 else goes to the FastAPI app unchanged.
