@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=None,
                    help=f"seed of the split and the batch order (default {default_of(TrainingConfig, 'seed')})")
     t.add_argument("--audit", action="store_true", default=None, help="record what crossed the cut, for analysis")
+    t.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
+                   help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
+                        "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     t.add_argument("--resume", metavar="SESSION", default=None,
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
@@ -149,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
     b.add_argument("--batch-size", type=int, default=None, help="training batch size (default: training's default)")
+    b.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
+                   help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
+                        "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     b.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
     _add_log_level(b)
@@ -180,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-steps", type=int, default=None, help="stop training after N steps (smoke runs)")
     w.add_argument("--audit", action="store_true", default=None,
                    help="record what crossed the cut, for the notebook's leakage audit")
+    w.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
+                   help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
+                        "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
     d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
     d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")

@@ -157,7 +157,8 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
 def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
     return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
-                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit)
+                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit,
+                            wire_precision=args.wire_precision)
 
 
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
@@ -240,7 +241,7 @@ def bench(args: argparse.Namespace) -> int:
 
     figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                 batch_size=args.batch_size)
+                                 batch_size=args.batch_size, wire_precision=args.wire_precision)
     print(format_bench(figures))
     if args.json:
         args.json.write_text(bench_json(figures) + "\n")
@@ -267,7 +268,7 @@ def walkthrough(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
                                 label_dp_epsilon=args.label_dp_epsilon, gradient_defense=args.gradient_defense,
-                                gradient_noise=args.gradient_noise)
+                                gradient_noise=args.gradient_noise, wire_precision=args.wire_precision)
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
         ("hijack_probe_every", args.hijack_probe_every)) if value is not None]

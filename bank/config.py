@@ -53,6 +53,10 @@ class TrainingConfig(BaseModel):
         "none", description="perturb the gradients the partners receive (against label inference)"
     )
     gradient_noise: float = Field(1.0, ge=0, description="isotropic: noise std in units of the mean gradient norm")
+    wire_precision: Literal["fp32", "fp16", "bf16", "int8"] = Field(
+        "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
+        "bit); fp16/bf16 halve the bytes, int8 (per-row scales) quarters them (parties/protocol/codec.py)",
+    )
     audit: bool = Field(
         False,
         description="record, for analysis only, the gradients each partner received and the embeddings the "

@@ -42,6 +42,7 @@ from parties.errors import (
     UnknownSession,
 )
 from parties.protocol import control, psi, scoring, training
+from parties.protocol.codec import Precision
 from parties.protocol.common import OCTET_STREAM, fill
 from parties.protocol.wire import SAFETENSORS
 from parties.tables.encoding import Fallbacks
@@ -106,6 +107,7 @@ class HttpPartner:
         self.width = 0
         self._chunk_items = CHUNK_ITEMS  # the PSI chunk size agreed at the last open
         self.durable: int | None = None  # the newest step the partner says it has on disk
+        self.precision: Precision = "fp32"  # how this session's step tensors travel (agreed at its start)
 
     def close(self) -> None:
         """Close this proxy's step connection for good: the job is over."""
@@ -291,15 +293,19 @@ class HttpPartner:
     def _session(self) -> dict[str, str]:
         return {"session_id": self.session_id}
 
-    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
+                       precision: Precision = "fp32") -> int:
         response = self._control(
             "POST", training.SESSIONS, "starting training",
-            content=training.StartRequest(session_id, alignment_id, train_positions).encode(),
+            content=training.StartRequest(session_id, alignment_id, train_positions, precision).encode(),
             headers={"content-type": SAFETENSORS},
         )
         expect_server(response, self.name, "partner")
         info = training.TrainSessionInfo.model_validate(response.json())
+        if info.precision != precision:
+            raise PeerError(f"partner {self.name!r} answered in precision {info.precision!r}, not {precision!r}")
         self.session_id, self.width, self.durable = session_id, info.embedding_width, None
+        self.precision = precision
         return info.embedding_width
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -309,12 +315,12 @@ class HttpPartner:
         self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None, checkpoint: bool = False,
         keep_from: int | None = None,
     ) -> Callable[[], torch.Tensor | None]:
-        request = training.StepRequest(self.session_id, step, grad, rows, checkpoint, keep_from)
+        request = training.StepRequest(self.session_id, step, grad, rows, checkpoint, keep_from, self.precision)
         what = f"step {step}"
         finish = self._send(fill(training.STEP, **self._session), what, request.encode())
 
         def result() -> torch.Tensor | None:
-            reply = self._decoded(training.StepReply.decode, finish(), what)
+            reply = self._decoded(lambda body: training.StepReply.decode(body, self.precision), finish(), what)
             if reply.durable is not None:
                 self.durable = reply.durable
             return None if rows is None else self._checked_embedding(reply.embedding, rows.numel(),
@@ -332,8 +338,8 @@ class HttpPartner:
     def mark_best(self) -> None:
         self._control("POST", fill(training.BEST, **self._session), "marking the best weights")
 
-    def attach(self, session_id: str, width: int) -> None:
-        self.session_id, self.width = session_id, width
+    def attach(self, session_id: str, width: int, precision: Precision = "fp32") -> None:
+        self.session_id, self.width, self.precision = session_id, width, precision
 
     # --- scoring with a trained model -------------------------------------------------------
 

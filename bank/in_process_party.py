@@ -43,7 +43,9 @@ class InProcessParty:
             raise PeerError(f"{self.name}: no training session")
         return self.session
 
-    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
+                       precision: str = "fp32") -> int:
+        """``precision`` is for tensors on a wire: in this process they never leave float32."""
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
             raise BadMessage(f"{self.name} holds alignment {alignment.alignment_id}, not {alignment_id}")
@@ -85,7 +87,7 @@ class InProcessParty:
         self._live().flush_checkpoints()
         return checkpoint_steps(self._folder())
 
-    def attach(self, session_id: str, width: int) -> None:
+    def attach(self, session_id: str, width: int, precision: str = "fp32") -> None:
         if self._checkpoint_dir is None:
             raise PeerError(f"{self.name}: no checkpoint folder configured")
         folder = self._checkpoint_dir(session_id)

@@ -28,8 +28,11 @@ class TrainingParty(Protocol):
 
     name: str
 
-    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor) -> int:
-        """Fit the party's encoder on its training rows and build its bottom; returns the embedding width."""
+    def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
+                       precision: str = "fp32") -> int:
+        """Fit the party's encoder on its training rows and build its bottom; returns the embedding width.
+
+        ``precision``: how the session's step tensors travel (``parties.protocol.codec``)."""
         ...
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,8 +59,8 @@ class TrainingParty(Protocol):
         """The steps this party holds a checkpoint for."""
         ...
 
-    def attach(self, session_id: str, width: int) -> None:
-        """Rejoin a session this party already has (after the bank restarted)."""
+    def attach(self, session_id: str, width: int, precision: str = "fp32") -> None:
+        """Rejoin a session this party already has (after the bank restarted), at the session's precision."""
         ...
 
     def privacy(self) -> PrivacyReport:

@@ -124,7 +124,7 @@ class Recovery:
         assert self.checkpoint_dir is not None
         self.widths = read_checkpoint(self.checkpoint_dir, steps[-1]).meta["widths"]
         for p in self.parties:
-            p.attach(self.session_id, self.widths[p.name])
+            p.attach(self.session_id, self.widths[p.name], self.config.wire_precision)
         return self._build_top()
 
     def _last_consistent(self) -> str:

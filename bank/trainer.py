@@ -161,7 +161,8 @@ class Coordinator(Recovery):
 
     def _start(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         train = torch.from_numpy(self.split.train.astype(np.int64))
-        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train))
+        precision = self.config.wire_precision
+        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision))
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
         return self._build_top()
 

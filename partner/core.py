@@ -18,6 +18,7 @@ from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, Out
 from parties.learning.embedding_dp import EmbeddingDP
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
+from parties.protocol.codec import Precision
 from parties.protocol.control import AlignmentInfo, SessionList, SessionSummary
 from parties.protocol.psi import PsiOpenRequest, PsiOpenResponse
 from parties.protocol.training import ModelFiles, PrivacyReport, TrainSessionInfo
@@ -139,8 +140,11 @@ class PartnerCore:
     # --- training -------------------------------------------------------------------------
 
     def start_training(
-        self, session_id: str, alignment_id: str, train_positions: torch.Tensor, owner: str = ""
+        self, session_id: str, alignment_id: str, train_positions: torch.Tensor, owner: str = "",
+        precision: Precision = "fp32",
     ) -> TrainSessionInfo:
+        """Start (or start again) a training session; ``precision``: how its step tensors travel (each step
+        message names its own, so nothing about it is kept here)."""
         if not session_id or len(session_id) > 64:
             raise BadMessage("a session id is 1 to 64 characters")
         if self._ended(session_id):
@@ -171,7 +175,7 @@ class PartnerCore:
             self._training[session_id] = session
         if previous is not None:
             previous.close()
-        return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width)
+        return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width, precision=precision)
 
     def checkpoint_dir(self, session_id: str) -> Path:
         if not session_id.isalnum():

@@ -110,7 +110,8 @@ async def start_training(
     request: Request, who: PeerIdentity = Depends(require_role("bank")), c: PartnerCore = Depends(core)
 ) -> training.TrainSessionInfo:
     start = training.StartRequest.decode(await _body(request, c))
-    return await run_in_threadpool(c.start_training, start.session, start.alignment, start.train_rows, who.name)
+    return await run_in_threadpool(c.start_training, start.session, start.alignment, start.train_rows, who.name,
+                                  start.precision)
 
 
 def step(request: HotRequest) -> HotResponse:
@@ -122,7 +123,7 @@ def step(request: HotRequest) -> HotResponse:
     request_ = training.StepRequest.decode(request.body, session_id)  # the trainer checks finiteness
     z = session.trainer.step(request_.step, request_.grad, request_.rows)
     # The answer says which step this partner has on disk: the bank's retention counts on it.
-    body = training.StepReply(session_id, request_.step, z, session.writer.durable).encode()
+    body = training.StepReply(session_id, request_.step, z, session.writer.durable, request_.precision).encode()
     # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
     # the event loop reads the next request: the same state, off the bank's critical path.
     after = (lambda: c.checkpoint(session_id, request_.keep_from)) if request_.checkpoint else None

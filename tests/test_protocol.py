@@ -70,7 +70,7 @@ def test_training_messages_round_trip() -> None:
 
 @pytest.mark.parametrize(("body", "why"), [
     (training.StepRequest("other", 1, None, torch.tensor([1])).encode(), "another session"),
-    (encode({"grad": torch.zeros(2, dtype=torch.float64)}, session="s1", step=1), "expected torch.float32"),
+    (encode({"grad": torch.zeros(2, dtype=torch.float64)}, session="s1", step=1), "is torch.float64"),
     (encode({"labels": torch.zeros(2)}, session="s1", step=1), "unexpected tensor 'labels'"),
     (encode({}, session="s1"), "no 'step'"),
     (encode({}, session="s1", step="x"), "not an integer"),

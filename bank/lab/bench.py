@@ -60,6 +60,7 @@ class TrainingBench:
     rounds: int
     pinned: bool
     batch_size: int
+    wire_precision: str
     split_epoch_seconds: float
     unsplit_epoch_seconds: float
     unsplit_threads: int
@@ -155,13 +156,16 @@ def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) 
 def run_training_bench(
     epochs: int = 3, rows: int | None = None, cache: Path | None = None, download: bool = True, rounds: int = 3,
     progress: Callable[[str], None] = lambda _msg: None, batch_size: int | None = None,
+    wire_precision: str | None = None,
 ) -> TrainingBench:
-    """``batch_size``: the training default unless given (per-step costs are fixed, so the ratio falls as it grows)."""
+    """``batch_size``: the training default unless given (per-step costs are fixed, so the ratio falls as it grows);
+    ``wire_precision``: how step tensors travel (default fp32, exact)."""
     if epochs < 1 or rounds < 1:
         raise ConfigError(f"the bench needs at least one round of one epoch (got {rounds} of {epochs})")
     try:
         config = TrainingConfig(epochs=epochs, patience=epochs + 1,
-                                **({"batch_size": batch_size} if batch_size is not None else {}))
+                                **({"batch_size": batch_size} if batch_size is not None else {}),
+                                **({"wire_precision": wire_precision} if wire_precision is not None else {}))
     except ValidationError as exc:
         problem = exc.errors()[0]
         raise ConfigError(f"bench settings: {problem['loc'][0]}: {problem['msg']}") from exc
@@ -199,6 +203,7 @@ def run_training_bench(
     comm = first["communication"]["partner"]
     return TrainingBench(
         rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=cpus is not None, batch_size=config.batch_size,
+        wire_precision=config.wire_precision,
         split_epoch_seconds=round(float(np.median(split_steps)), 4),
         unsplit_epoch_seconds=round(float(np.median(unsplit_steps)), 4),
         unsplit_threads=max(set(threads_used), key=threads_used.count),
@@ -219,7 +224,7 @@ def run_training_bench(
 def format_bench(b: TrainingBench) -> str:
     return "\n".join([
         f"Split training vs the unsplit model: {b.rows:,} aligned rows, batch {b.batch_size}, "
-        f"{b.rounds} alternating rounds of {b.epochs} epochs (medians)",
+        f"{b.rounds} alternating rounds of {b.epochs} epochs (medians), step tensors in {b.wire_precision}",
         "split: bank + 1 partner as separate processes, mutual TLS over loopback"
         + (", each pinned to a CPU of its own" if b.pinned else ""),
         f"  seconds per epoch, training steps   split {b.split_epoch_seconds:7.3f}   unsplit {b.unsplit_epoch_seconds:7.3f}"

@@ -19,6 +19,7 @@ names its tensors and their dtypes here, once, for both sides.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,6 +27,8 @@ import torch
 from pydantic import Field
 
 from parties.errors import BadMessage
+from parties.protocol import codec
+from parties.protocol.codec import Precision
 from parties.protocol.common import Message
 from parties.protocol.wire import WireMessage, decode, encode
 
@@ -70,6 +73,7 @@ PRIVACY = "/train/sessions/{session_id}/privacy"
 class TrainSessionInfo(Message):
     session: str
     embedding_width: int = Field(ge=1)
+    precision: Precision = Field("fp32", description="how step tensors travel, as the partner accepted it")
 
 
 class FinishRequest(Message):
@@ -108,7 +112,8 @@ class PrivacyReport(Message):
 
 
 def checked(
-    body: bytes, allowed: dict[str, torch.dtype], session: str | None, *, check_finite: bool = True
+    body: bytes, allowed: Mapping[str, torch.dtype | tuple[torch.dtype, ...]], session: str | None, *,
+    check_finite: bool = True,
 ) -> WireMessage:
     """``body`` decoded with only ``allowed`` tensors, and (when given) naming ``session``, as the URL does."""
     message = decode(body, allowed, check_finite=check_finite)
@@ -136,15 +141,17 @@ class StartRequest:
     session: str
     alignment: str
     train_rows: torch.Tensor
+    precision: Precision = "fp32"  # how the session's step tensors will travel (``parties.protocol.codec``)
 
     def encode(self) -> bytes:
-        return encode({"train_rows": self.train_rows}, session=self.session, alignment=self.alignment)
+        extra = {} if self.precision == "fp32" else {"precision": self.precision}
+        return encode({"train_rows": self.train_rows}, session=self.session, alignment=self.alignment, **extra)
 
     @classmethod
     def decode(cls, body: bytes) -> StartRequest:
         message = checked(body, cls.TENSORS, None)
         return cls(message.meta.get("session", ""), message.meta.get("alignment", ""),
-                   _required(message, "train_rows"))
+                   _required(message, "train_rows"), codec.parse_precision(message.meta.get("precision")))
 
 
 @dataclass(frozen=True)
@@ -154,51 +161,62 @@ class StepRequest:
     ``grad`` is absent on the first step, ``rows`` on the final flush.
     ``checkpoint``: save state once the step is applied; ``keep_from``: the
     newest step every party has on disk (older checkpoints may go).
+    ``precision``: how ``grad`` travels, and how the answer's embedding must.
     """
 
-    TENSORS: ClassVar[dict[str, torch.dtype]] = {"grad": torch.float32, "rows": torch.int64}
     session: str
     step: int
     grad: torch.Tensor | None
     rows: torch.Tensor | None
     checkpoint: bool = False
     keep_from: int | None = None
+    precision: Precision = "fp32"
 
     def encode(self) -> bytes:
-        tensors = {k: v for k, v in (("grad", self.grad), ("rows", self.rows)) if v is not None}
+        tensors = {"rows": self.rows} if self.rows is not None else {}
+        if self.grad is not None:
+            tensors |= codec.pack("grad", self.grad, self.precision)
         meta: dict[str, object] = {"session": self.session, "step": self.step}
         if self.checkpoint:
             meta |= {"checkpoint": 1} | ({} if self.keep_from is None else {"keep_from": self.keep_from})
+        if self.precision != "fp32":
+            meta["precision"] = self.precision
         return encode(tensors, **meta)
 
     @classmethod
     def decode(cls, body: bytes, session: str) -> StepRequest:
         """The step addressed to ``session``. Finiteness is left to the trainer, which checks it on every path."""
-        message = checked(body, cls.TENSORS, session, check_finite=False)
-        return cls(session, message.int_meta("step"), message.get("grad"), message.get("rows"),
-                   message.meta.get("checkpoint") == "1", _optional_int(message, "keep_from"))
+        message = checked(body, {"rows": torch.int64, **codec.any_precision("grad")}, session, check_finite=False)
+        precision = codec.parse_precision(message.meta.get("precision"))
+        return cls(session, message.int_meta("step"), codec.unpack(message, "grad", precision), message.get("rows"),
+                   message.meta.get("checkpoint") == "1", _optional_int(message, "keep_from"), precision)
 
 
 @dataclass(frozen=True)
 class StepReply:
     """The embedding of the step's rows (none on the final flush), and the newest step on the party's disk."""
 
-    TENSORS: ClassVar[dict[str, torch.dtype]] = {"embedding": torch.float32}
     session: str
     step: int
     embedding: torch.Tensor | None
     durable: int | None = None
+    precision: Precision = "fp32"  # the request's
 
     def encode(self) -> bytes:
-        durable = {} if self.durable is None else {"durable": self.durable}
-        tensors = {} if self.embedding is None else {"embedding": self.embedding}
-        return encode(tensors, session=self.session, step=self.step, **durable)
+        meta: dict[str, object] = {} if self.durable is None else {"durable": self.durable}
+        if self.precision != "fp32":
+            meta["precision"] = self.precision
+        tensors = {} if self.embedding is None else codec.pack("embedding", self.embedding, self.precision)
+        return encode(tensors, session=self.session, step=self.step, **meta)
 
     @classmethod
-    def decode(cls, body: bytes) -> StepReply:
-        message = decode(body, cls.TENSORS)
+    def decode(cls, body: bytes, precision: Precision = "fp32") -> StepReply:
+        """The answer to a request at ``precision``: an answer in another precision is a ``BadMessage``."""
+        message = decode(body, codec.any_precision("embedding"))
+        if codec.parse_precision(message.meta.get("precision")) != precision:
+            raise BadMessage(f"the answer is in precision {message.meta.get('precision')!r}, not {precision!r}")
         return cls(message.meta.get("session", ""), _optional_int(message, "step") or 0,
-                   message.get("embedding"), _optional_int(message, "durable"))
+                   codec.unpack(message, "embedding", precision), _optional_int(message, "durable"), precision)
 
 
 @dataclass(frozen=True)

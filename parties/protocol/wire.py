@@ -16,6 +16,7 @@ import math
 import re
 import struct
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -147,8 +148,9 @@ def parse(blob: bytes, *, max_header: int = _MAX_HEADER) -> tuple[dict[str, obje
     return header, tensors
 
 
-def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool = True) -> WireMessage:
-    """Parse a body, accepting only the named tensors with their dtypes; check the schema version.
+def decode(body: bytes, allowed: Mapping[str, torch.dtype | tuple[torch.dtype, ...]], *,
+           check_finite: bool = True) -> WireMessage:
+    """Parse a body, accepting only the named tensors with their dtypes (or one of several); check the schema version.
 
     ``check_finite=False`` is for a caller that checks finiteness itself (the
     training step does, for every path), so the hot path pays for it once.
@@ -162,8 +164,9 @@ def decode(body: bytes, allowed: dict[str, torch.dtype], *, check_finite: bool =
     for name, tensor in tensors.items():
         if name not in allowed:
             raise BadMessage(f"unexpected tensor {name!r}")
-        if tensor.dtype != allowed[name]:
-            raise BadMessage(f"tensor {name!r} is {tensor.dtype}; expected {allowed[name]}")
+        expected = allowed[name]
+        if tensor.dtype != expected and not (isinstance(expected, tuple) and tensor.dtype in expected):
+            raise BadMessage(f"tensor {name!r} is {tensor.dtype}; expected {expected}")
         if check_finite and tensor.is_floating_point() and not all_finite(tensor):
             raise BadMessage(f"tensor {name!r} holds NaN or infinite values")
     return WireMessage(tensors, meta)

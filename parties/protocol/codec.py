@@ -1,0 +1,89 @@
+"""How a training step's float tensors travel: exactly (float32, the default) or compressed.
+
+The bank chooses the precision for a training session (``TrainingConfig.wire_precision``),
+the partner accepts it when the session starts, and every step message says
+which it carries, so an answer always matches its request, also after a
+restart. Compressed precisions trade bytes for exactness:
+
+- ``fp32``: the tensor as is; split training equals the unsplit model bit for bit.
+- ``fp16``, ``bf16``: half the bytes; each value rounded to the nearest half.
+- ``int8``: a quarter of the bytes plus one float32 scale per row: each row is
+  scaled by its largest magnitude to [-127, 127] and rounded.
+
+Either end decodes to float32 before using a tensor; what was decoded is what
+both ends compute with, so a run stays deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from parties.errors import BadMessage
+from parties.protocol.wire import WireMessage, all_finite
+
+__all__ = ["PRECISIONS", "Precision", "allowed", "any_precision", "pack", "parse_precision", "unpack"]
+
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_SCALE = "{}.scale"
+
+
+def parse_precision(value: str | None) -> Precision:
+    """A precision named in a message (absent: ``fp32``); anything else is refused."""
+    if value is None or value == "fp32":
+        return "fp32"
+    if value not in PRECISIONS:
+        raise BadMessage(f"precision {value!r} is not one of {', '.join(PRECISIONS)}")
+    return value  # type: ignore[return-value]
+
+
+def allowed(name: str, precision: Precision) -> dict[str, torch.dtype]:
+    """The tensors and dtypes that carry float tensor ``name`` at ``precision``."""
+    if precision == "fp32":
+        return {name: torch.float32}
+    if precision == "int8":
+        return {name: torch.int8, _SCALE.format(name): torch.float32}
+    return {name: _HALF[precision]}
+
+
+def any_precision(name: str) -> dict[str, tuple[torch.dtype, ...]]:
+    """What may carry ``name`` at some precision: for a message whose precision is read from its own metadata."""
+    return {name: (torch.float32, torch.float16, torch.bfloat16, torch.int8), _SCALE.format(name): (torch.float32,)}
+
+
+def pack(name: str, tensor: torch.Tensor, precision: Precision) -> dict[str, torch.Tensor]:
+    """``tensor`` (float32, one row per sample) as the tensors that carry it at ``precision``."""
+    if precision == "fp32":
+        return {name: tensor}
+    if precision == "int8":
+        rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+        scale = rows.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return {name: codes.reshape(tensor.shape), _SCALE.format(name): scale}
+    return {name: tensor.to(_HALF[precision])}
+
+
+def unpack(message: WireMessage, name: str, precision: Precision) -> torch.Tensor | None:
+    """Float tensor ``name`` back as float32 (``None`` if absent); a malformed one is a ``BadMessage``."""
+    carried = message.get(name)
+    if carried is None:
+        return None
+    if carried.dtype != allowed(name, precision)[name] or (
+            precision != "int8" and message.get(_SCALE.format(name)) is not None):
+        raise BadMessage(f"{name!r} is {carried.dtype}, which is not how {precision} carries it")
+    if precision == "fp32":
+        return carried
+    if precision != "int8":
+        return carried.to(torch.float32)
+    scale = message.get(_SCALE.format(name))
+    rows = carried.shape[0] if carried.dim() else 1
+    if scale is None or tuple(scale.shape) != (rows,):
+        raise BadMessage(f"{name!r} in int8 needs one float32 scale per row ({rows})")
+    if not all_finite(scale) or bool((scale <= 0).any()):
+        raise BadMessage(f"the scales of {name!r} must be finite and positive")
+    values = carried.reshape(rows, -1).to(torch.float32) * scale[:, None]
+    return values.reshape(carried.shape)
