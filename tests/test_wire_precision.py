@@ -56,10 +56,12 @@ def _step(tensors: dict[str, torch.Tensor], **meta: object) -> bytes:
      "finite and positive"),
     (_step({"grad": torch.zeros(2, 3, dtype=torch.int8), "grad.scale": torch.tensor([1.0, float("inf")])},
            precision="int8"), "finite and positive"),
-    (_step({"grad": torch.zeros(2, 3, dtype=torch.float16)}), "not how fp32 carries it"),
-    (_step({"grad": torch.zeros(2, 3)}, precision="fp16"), "not how fp16 carries it"),
+    (_step({"grad": torch.zeros(2, 3, dtype=torch.float16)}), "is torch.float16; expected torch.float32"),
+    (_step({"grad": torch.zeros(2, 3)}, precision="fp16"), r"expected torch.float16 \(precision fp16\)"),
     (_step({"grad": torch.zeros(2, 3, dtype=torch.float16), "grad.scale": torch.ones(2)}, precision="fp16"),
-     "not how fp16 carries it"),
+     "carries no scales"),
+    (_step({"grad": torch.zeros(2, 3, dtype=torch.int8), "grad.scale": torch.ones(2, dtype=torch.float16)},
+           precision="int8"), "one float32 scale per row"),
 ])
 def test_a_malformed_compressed_step_is_refused_with_its_reason(body: bytes, why: str) -> None:
     with pytest.raises(BadMessage, match=why):

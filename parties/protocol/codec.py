@@ -50,8 +50,12 @@ def allowed(name: str, precision: Precision) -> dict[str, torch.dtype]:
 
 
 def any_precision(name: str) -> dict[str, tuple[torch.dtype, ...]]:
-    """What may carry ``name`` at some precision: for a message whose precision is read from its own metadata."""
-    return {name: (torch.float32, torch.float16, torch.bfloat16, torch.int8), _SCALE.format(name): (torch.float32,)}
+    """What may carry ``name`` at some precision: for a message whose precision is read from its own metadata.
+
+    Any float or int8 dtype passes here; ``unpack`` then holds it to the message's precision, and says which
+    dtype that precision expects."""
+    carriers = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8)
+    return {name: carriers, _SCALE.format(name): carriers}
 
 
 def pack(name: str, tensor: torch.Tensor, precision: Precision) -> dict[str, torch.Tensor]:
@@ -72,16 +76,19 @@ def unpack(message: WireMessage, name: str, precision: Precision) -> torch.Tenso
     carried = message.get(name)
     if carried is None:
         return None
-    if carried.dtype != allowed(name, precision)[name] or (
-            precision != "int8" and message.get(_SCALE.format(name)) is not None):
-        raise BadMessage(f"{name!r} is {carried.dtype}, which is not how {precision} carries it")
+    expected = allowed(name, precision)
+    if carried.dtype != expected[name]:
+        named = "" if precision == "fp32" else f" (precision {precision})"
+        raise BadMessage(f"tensor {name!r} is {carried.dtype}; expected {expected[name]}{named}")
+    if precision != "int8" and message.get(_SCALE.format(name)) is not None:
+        raise BadMessage(f"{name!r} in {precision} carries no scales")
     if precision == "fp32":
         return carried
     if precision != "int8":
         return carried.to(torch.float32)
     scale = message.get(_SCALE.format(name))
     rows = carried.shape[0] if carried.dim() else 1
-    if scale is None or tuple(scale.shape) != (rows,):
+    if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows,):
         raise BadMessage(f"{name!r} in int8 needs one float32 scale per row ({rows})")
     if not all_finite(scale) or bool((scale <= 0).any()):
         raise BadMessage(f"the scales of {name!r} must be finite and positive")
