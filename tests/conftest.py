@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from alignment.parallel import WorkerPool
 from bank.service import create_app as create_bank_app
 from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
 from parties.settings import BankSettings, PartnerSettings
@@ -102,3 +104,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # Services must never reach anything but loopback; make an accidental proxy impossible too.
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         os.environ.pop(var, None)
+
+
+@pytest.fixture()
+def pool() -> Iterator[WorkerPool]:
+    """A PSI worker pool that runs everything in the test's process."""
+    with WorkerPool(workers=1) as p:
+        yield p
+
+
+@pytest.fixture()
+def threads() -> Iterator[ThreadPoolExecutor]:
+    """Threads for a PSI responder called in process."""
+    with ThreadPoolExecutor(4) as t:
+        yield t

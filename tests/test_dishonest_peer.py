@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
@@ -30,18 +29,6 @@ from parties.transport.tls import PeerIdentity, TLSFiles
 @pytest.fixture()
 def partition(bank_full: Path, tmp_path: Path) -> dict[str, Path]:
     return prepare_bank_marketing(tmp_path / "data", n_partners=2, rows=2000, cache=bank_full.parent, download=False)
-
-
-@pytest.fixture()
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(workers=1) as p:
-        yield p
-
-
-@pytest.fixture()
-def threads() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(4) as t:
-        yield t
 
 
 def _points(ids: list[str]) -> bytes:

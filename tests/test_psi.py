@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,18 +13,6 @@ from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, intersect, run_initiator
 from parties.errors import BadMessage, OutOfOrder
-
-
-@pytest.fixture()
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(workers=1) as p:
-        yield p
-
-
-@pytest.fixture()
-def threads() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(4) as t:
-        yield t
 
 
 def run_psi(bank: list[str], partner: list[str], pool: WorkerPool, threads: ThreadPoolExecutor, chunk_items: int = 7):
