@@ -48,6 +48,11 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
+LOCAL_STEPS_HELP = (f"batches per round trip, one update each at every party (default "
+                    f"{default_of(TrainingConfig, 'local_steps')}: exact; K > 1 makes K times fewer round trips, "
+                    "one round trip stale: see the README's 'Across a real network')")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bank", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
                    help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
+    t.add_argument("--local-steps", type=int, default=None, metavar="K",
+                   help=LOCAL_STEPS_HELP)
     t.add_argument("--resume", metavar="SESSION", default=None,
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
@@ -189,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
                    help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
+    w.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
     d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
     d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
     d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")

@@ -57,6 +57,16 @@ class TrainingConfig(BaseModel):
         "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
         "bit); fp16/bf16 halve the bytes, int8 (per-row scales) quarters them (parties/protocol/codec.py)",
     )
+    local_steps: int = Field(
+        1, ge=1, le=32, description="communication-efficient mode (in the spirit of FedBCD): each round trip "
+        "carries local_steps batches, and every party makes one update per batch from that round trip's "
+        "embeddings and gradients, one round trip stale; 1 (the default) is exact: split equals unsplit, bit for "
+        "bit",
+    )
+    track_test: bool = Field(
+        False, description="also score the test rows after every epoch (history column test_<metric>; never "
+        "used to choose anything): learning curves and time-to-target figures",
+    )
     audit: bool = Field(
         False,
         description="record, for analysis only, the gradients each partner received and the embeddings the "
@@ -67,6 +77,12 @@ class TrainingConfig(BaseModel):
     def _label_dp_is_binary(self) -> TrainingConfig:
         if self.label_dp_epsilon is not None and self.task != "binary":
             raise ValueError("randomized-response label DP is implemented for binary tasks")
+        return self
+
+    @model_validator(mode="after")
+    def _exchange_fits(self) -> TrainingConfig:
+        if self.local_steps * self.batch_size > 1 << 16:
+            raise ValueError("local_steps x batch_size is at most 65536 rows per round trip")
         return self
 
     @model_validator(mode="after")

@@ -44,7 +44,7 @@ class InProcessParty:
         return self.session
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
-                       precision: str = "fp32") -> int:
+                       precision: str = "fp32", local_steps: int = 1, local_batch: int | None = None) -> int:
         """``precision`` is for tensors on a wire: in this process they never leave float32."""
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
@@ -54,7 +54,8 @@ class InProcessParty:
         if self._checkpoint_dir is not None:  # an abandoned start's: a restart must not find them
             remove_checkpoints(self._checkpoint_dir(session_id))
         self.session = PartySession(
-            session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor
+            session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor,
+            local_steps, local_batch,
         )
         return self.session.trainer.width
 

@@ -29,10 +29,12 @@ class TrainingParty(Protocol):
     name: str
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
-                       precision: str = "fp32") -> int:
+                       precision: str = "fp32", local_steps: int = 1, local_batch: int | None = None) -> int:
         """Fit the party's encoder on its training rows and build its bottom; returns the embedding width.
 
-        ``precision``: how the session's step tensors travel (``parties.protocol.codec``)."""
+        ``precision``: how the session's step tensors travel (``parties.protocol.codec``); ``local_steps``:
+        batches per exchange, of ``local_batch`` rows, one update each
+        (``TrainingConfig.local_steps``; 1 is exact)."""
         ...
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

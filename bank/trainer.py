@@ -161,8 +161,9 @@ class Coordinator(Recovery):
 
     def _start(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         train = torch.from_numpy(self.split.train.astype(np.int64))
-        precision = self.config.wire_precision
-        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision))
+        precision, local = self.config.wire_precision, self.config.local_steps
+        batch = self.config.batch_size
+        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision, local, batch))
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
         return self._build_top()
 
@@ -206,6 +207,26 @@ class Coordinator(Recovery):
     def _loss(self, top: torch.nn.Module, leaves: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         outputs = fast_path.forward(top, self.aggregation.combine(leaves))
         return self.task.loss(outputs, self.train_targets.index_select(0, rows))
+
+    def _local_exchange(
+        self, top: torch.nn.Module, optimizer: torch.optim.Optimizer, zs: list[torch.Tensor], group: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], float]:
+        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought;
+        returns every party's gradient for the whole exchange, in its batches' order, and the mean loss."""
+        params = list(top.parameters())
+        grads: list[list[torch.Tensor]] = [[] for _ in zs]
+        losses, start = [], 0
+        for rows in group:
+            leaves = [z[start : start + len(rows)].detach().requires_grad_(True) for z in zs]
+            loss = self._loss(top, leaves, rows)
+            fast_path.backward(loss, inputs=[*params, *leaves])
+            fast_path.optimizer_step(optimizer)
+            fast_path.clear_grads(params)
+            for out, leaf in zip(grads, leaves):
+                out.append(leaf.grad)
+            losses.append(loss.item())
+            start += len(rows)
+        return [torch.cat(g) for g in grads], float(np.mean(losses))
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -280,7 +301,8 @@ class Coordinator(Recovery):
         assert top is not None
         metric, mode = self.task.objective
         better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
-        steps_per_epoch = -(-len(self.split.train) // self.config.batch_size)
+        local = self.config.local_steps  # batches per exchange (1: exact)
+        steps_per_epoch = -(-len(self.split.train) // (self.config.batch_size * local))
         # Each epoch ends with a flush step, which ``loop.step`` counts as well.
         total_steps = min(self.config.max_steps or 1 << 62, (steps_per_epoch + 1) * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
@@ -308,17 +330,24 @@ class Coordinator(Recovery):
             batches = epoch_batches(self.split.train, self.config.batch_size, self.config.seed, loop.epoch)
             capped = self.config.max_steps is not None
             while loop.batch < len(batches) and not (capped and loop.step >= self.config.max_steps):
-                rows = batches[loop.batch]
+                group = batches[loop.batch : loop.batch + local]
+                rows = group[0] if local == 1 else torch.cat(group)
                 checkpoint = self._is_checkpoint(loop.step, flush=False)
                 zs = self._step_all(loop.step, loop.grads, rows, while_waiting=finish_step, checkpoint=checkpoint)
                 self.train_rows_sent += len(rows)
-                leaves = [z.requires_grad_(True) for z in zs]
-                loss = self._loss(top, leaves, rows)
-                # Only the partners' gradients are on the critical path: compute them alone, send them
-                # with the next step, and finish the backward while the partners work.
-                theirs = fast_path.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
-                deferred.append((loss, leaves[0]))
-                loop.grads = [None] + [
+                if local == 1:
+                    leaves = [z.requires_grad_(True) for z in zs]
+                    loss = self._loss(top, leaves, rows)
+                    # Only the partners' gradients are on the critical path: compute them alone, send them
+                    # with the next step, and finish the backward while the partners work.
+                    theirs = fast_path.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
+                    deferred.append((loss, leaves[0]))
+                    loop.losses.append(loss.item())
+                    mine = None  # finish_step fills it in
+                else:
+                    (mine, *theirs), mean_loss = self._local_exchange(top, optimizer, zs, group)
+                    loop.losses.append(mean_loss)
+                loop.grads = [mine] + [
                     perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,
                                      self.config.seed, loop.step, k)
                     for k, g in enumerate(theirs, start=1)
@@ -326,9 +355,8 @@ class Coordinator(Recovery):
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
                         self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)
-                loop.losses.append(loss.item())
                 loop.step += 1
-                loop.batch += 1
+                loop.batch += len(group)
                 unsaved = checkpoint
                 if loop.step % 20 == 0 or loop.step >= total_steps:
                     self.progress(
@@ -347,6 +375,8 @@ class Coordinator(Recovery):
             val, _ = self.evaluate(top, self.split.val)
             row = {"epoch": loop.epoch + 1, "steps": loop.step, "train_loss": float(np.mean(loop.losses))}
             row |= {f"val_{m}": v for m, v in val.items()}
+            if self.config.track_test:
+                row |= {f"test_{m}": v for m, v in self.evaluate(top, self.split.test)[0].items()}
             row["train_seconds"] = train_seconds
             for p in self.parties[1:]:  # each partner's embedding-DP spend, as it reports it
                 report = p.privacy()

@@ -141,10 +141,11 @@ class PartnerCore:
 
     def start_training(
         self, session_id: str, alignment_id: str, train_positions: torch.Tensor, owner: str = "",
-        precision: Precision = "fp32",
+        precision: Precision = "fp32", local_steps: int = 1, local_batch: int | None = None,
     ) -> TrainSessionInfo:
         """Start (or start again) a training session; ``precision``: how its step tensors travel (each step
-        message names its own, so nothing about it is kept here)."""
+        message names its own, so nothing about it is kept here); ``local_steps``: updates per exchange (kept
+        by the session and its checkpoints)."""
         if not session_id or len(session_id) > 64:
             raise BadMessage("a session id is 1 to 64 characters")
         if self._ended(session_id):
@@ -166,7 +167,8 @@ class PartnerCore:
         privacy = self.settings.privacy if self.settings.privacy.clip is not None else None
         monitor = self.settings.monitor if self.settings.monitor.probe_every else None
         session = PartySession(
-            session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor
+            session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor,
+            local_steps, local_batch,
         )
         session.owner = owner
         remove_checkpoints(self.checkpoint_dir(session_id))  # an abandoned start's: a restart must not find them
@@ -175,7 +177,8 @@ class PartnerCore:
             self._training[session_id] = session
         if previous is not None:
             previous.close()
-        return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width, precision=precision)
+        return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width, precision=precision,
+                                local_steps=local_steps)
 
     def checkpoint_dir(self, session_id: str) -> Path:
         if not session_id.isalnum():

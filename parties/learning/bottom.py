@@ -5,6 +5,15 @@ one) and the rows of batch ``t`` (absent in the final flush). The party first
 applies the gradient, then embeds batch ``t`` with the updated weights, which
 is exactly what the unsplit model does between two optimiser steps.
 
+Local steps (``local_steps`` = K > 1, the communication-efficient mode, in
+the spirit of FedBCD, Liu et al. 2022): a step carries K batches of
+``local_batch`` rows at once, and the gradient of the previous step's K. The
+party applies that gradient as K updates, one per batch, each recomputing
+that batch's embedding with the current weights (so batch k's gradient meets
+weights that moved k times since it was computed: the staleness this mode
+trades for K times fewer round trips). With one local step (the default) none
+of this runs: the model is the unsplit model's, bit for bit.
+
 Exactly once: (session, step) is the idempotency key. A step that arrives
 again with the same content (the bank retrying after a lost response) gets
 the stored answer and changes nothing; with other content, or any step but
@@ -31,11 +40,12 @@ from parties.learning.model import BottomConfig, build_bottom, build_optimizer
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
 
-__all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
+__all__ = ["BottomTrainer", "MAX_BATCH_ROWS", "MAX_LOCAL_STEPS"]
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 1 << 16
+MAX_LOCAL_STEPS = 32
 
 
 class BottomTrainer:
@@ -47,7 +57,14 @@ class BottomTrainer:
         config: BottomConfig,
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
+        local_steps: int = 1,
+        local_batch: int | None = None,
     ) -> None:
+        if not 1 <= local_steps <= MAX_LOCAL_STEPS:
+            raise BadMessage(f"local_steps must lie in [1, {MAX_LOCAL_STEPS}], got {local_steps}")
+        if local_steps > 1 and not (local_batch and 1 <= local_batch * local_steps <= MAX_BATCH_ROWS):
+            raise BadMessage(f"local steps need a local batch size, with local_steps x local_batch at most "
+                             f"{MAX_BATCH_ROWS} rows (got {local_steps} x {local_batch})")
         self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
         self.config = config
         self.model = build_bottom(self.x.shape[1], config)
@@ -63,6 +80,7 @@ class BottomTrainer:
         self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.clip is not None else None
         self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
         self._probe: list[tuple[int, int]] = []
+        self.local_steps, self.local_batch = local_steps, (local_batch if local_steps > 1 else None)
 
     @property
     def width(self) -> int:
@@ -110,6 +128,9 @@ class BottomTrainer:
                 raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
             self._check_grad(grad)
             self._check_rows(rows)
+            if rows is not None and self.local_batch is not None and rows.numel() > self.local_steps * self.local_batch:
+                raise BadMessage(f"a step holds at most {self.local_steps} batches of {self.local_batch} rows, "
+                                 f"got {rows.numel()} rows")
             if self.dp is not None and rows is not None:
                 self.dp.check(rows)
             if self.monitor is not None:
@@ -119,16 +140,24 @@ class BottomTrainer:
                 if self.monitor.alarm is not None:
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
-                fast_path.clear_grads(self._params)
-                fast_path.backward(self._pending, grad)
-                fast_path.optimizer_step(self.optimizer)
+                if self.local_batch is None:
+                    fast_path.clear_grads(self._params)
+                    fast_path.backward(self._pending, grad)
+                    fast_path.optimizer_step(self.optimizer)
+                else:
+                    assert grad is not None and self._pending_index is not None
+                    self._local_updates(self._pending_index, grad)
                 # Both go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
                 self._pending, self._pending_index = None, None
             out = None
             if rows is not None:
                 if not self.model.training:
                     self.model.train()
-                z = fast_path.forward(self.model, self.x.index_select(0, rows))
+                if self.local_batch is None:
+                    z = fast_path.forward(self.model, self.x.index_select(0, rows))
+                else:  # no graph: each local step recomputes its batch's embedding
+                    with torch.no_grad():
+                        z = self.model(self.x.index_select(0, rows))
                 if self.dp is not None:
                     z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
@@ -141,6 +170,17 @@ class BottomTrainer:
             self.next_step = step + 1
             self._last = (step, grad, rows, out)
             return out
+
+    def _local_updates(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """One update per batch of ``local_batch`` rows, in the order the bank cut them."""
+        assert self.local_batch is not None
+        for part, part_grad in zip(rows.split(self.local_batch), grad.split(self.local_batch)):
+            z = fast_path.forward(self.model, self.x.index_select(0, part))
+            if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
+                z = self.dp.clipped(z)
+            fast_path.clear_grads(self._params)
+            fast_path.backward(z, part_grad)
+            fast_path.optimizer_step(self.optimizer)
 
     def _replay(self, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         step, last_grad, last_rows, out = self._last  # type: ignore[misc]
@@ -195,6 +235,8 @@ class BottomTrainer:
                 meta["dp_draws"] = self.dp._draws
             if self.monitor is not None:
                 meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
+            if self.local_batch is not None:
+                meta |= {"local_steps": self.local_steps, "local_batch": self.local_batch}
             return tensors, meta
 
     def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
@@ -218,8 +260,7 @@ class BottomTrainer:
                 self.model.train()
                 z = self.model(self.x.index_select(0, rows))
                 if self.dp is not None:
-                    norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
-                    clipped = z * torch.clamp(self.dp.clip / norms, max=1.0)
+                    clipped = self.dp.clipped(z)
                     z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
                 self._pending, self._pending_index = z, rows
             last = checkpoint.section("last")

@@ -95,11 +95,15 @@ class EmbeddingDP:
                 f"{self.config.budget:g}"
             )
 
+    def clipped(self, z: torch.Tensor) -> torch.Tensor:
+        """``z`` with each row scaled down to L2 norm ``clip`` at most (differentiable)."""
+        norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        return z * torch.clamp(self.clip / norms, max=1.0)
+
     def release(self, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``z`` clipped row by row, plus noise; differentiable in ``z`` (the noise is a constant)."""
         self.check(rows)
-        norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
-        clipped = z * torch.clamp(self.clip / norms, max=1.0)
+        clipped = self.clipped(z)
         generator = torch.Generator().manual_seed(hash((self.config.seed, self._draws)) & 0x7FFF_FFFF_FFFF_FFFF)
         self._draws += 1
         noise = torch.randn(z.shape, generator=generator) * self.config.noise

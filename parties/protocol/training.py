@@ -74,6 +74,7 @@ class TrainSessionInfo(Message):
     session: str
     embedding_width: int = Field(ge=1)
     precision: Precision = Field("fp32", description="how step tensors travel, as the partner accepted it")
+    local_steps: int = Field(1, ge=1, description="batches per step, one update each, as the partner accepted it")
 
 
 class FinishRequest(Message):
@@ -142,16 +143,21 @@ class StartRequest:
     alignment: str
     train_rows: torch.Tensor
     precision: Precision = "fp32"  # how the session's step tensors will travel (``parties.protocol.codec``)
+    local_steps: int = 1  # batches per step, one update each (the communication-efficient mode); 1 is exact
+    local_batch: int | None = None  # rows per batch, with local steps
 
     def encode(self) -> bytes:
-        extra = {} if self.precision == "fp32" else {"precision": self.precision}
+        extra: dict[str, object] = {} if self.precision == "fp32" else {"precision": self.precision}
+        if self.local_steps != 1:
+            extra |= {"local_steps": self.local_steps, "local_batch": self.local_batch}
         return encode({"train_rows": self.train_rows}, session=self.session, alignment=self.alignment, **extra)
 
     @classmethod
     def decode(cls, body: bytes) -> StartRequest:
         message = checked(body, cls.TENSORS, None)
         return cls(message.meta.get("session", ""), message.meta.get("alignment", ""),
-                   _required(message, "train_rows"), codec.parse_precision(message.meta.get("precision")))
+                   _required(message, "train_rows"), codec.parse_precision(message.meta.get("precision")),
+                   _optional_int(message, "local_steps") or 1, _optional_int(message, "local_batch"))
 
 
 @dataclass(frozen=True)
