@@ -43,11 +43,13 @@ ENDED = "ended"  # in a run folder: the operator ended the session; it never res
 def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome: TrainingOutcome) -> dict[str, float]:
     """Bytes (HTTP bodies) and round trips with one partner, next to the theoretical minimum.
 
-    The minimum is what must cross at float32: each training row's embedding
-    and its gradient, and each evaluation row's embedding.
+    Per step: the training steps' messages alone, against what they must carry at float32 (each
+    training row's embedding and its gradient). In total and per epoch: everything, evaluation
+    embeddings included, against the same plus each evaluation row's embedding.
     """
     total = partner.bytes_sent + partner.bytes_received
     minimum = 4 * partner.width * (2 * coordinator.train_rows_sent + coordinator.eval_rows_sent)
+    step_minimum = 4 * partner.width * 2 * coordinator.train_rows_sent
     steps, epochs = max(outcome.steps, 1), max(len(outcome.history), 1)
     return {
         "round_trips": partner.round_trips,
@@ -55,8 +57,9 @@ def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome:
         "bytes_received": partner.bytes_received,
         "bytes_total": total,
         "minimum_bytes_total": minimum,
-        "bytes_per_step": total / steps,
-        "minimum_bytes_per_step": minimum / steps,
+        "step_bytes_total": partner.step_bytes,
+        "bytes_per_step": partner.step_bytes / steps,
+        "minimum_bytes_per_step": step_minimum / steps,
         "bytes_per_epoch": total / epochs,
         "minimum_bytes_per_epoch": minimum / epochs,
         "overhead_ratio": total / minimum if minimum else float("nan"),

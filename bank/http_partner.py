@@ -103,6 +103,7 @@ class HttpPartner:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.round_trips = 0
+        self.step_bytes = 0  # of training steps alone (requests and answers, once each, retries aside)
         self.session_id = ""
         self.width = 0
         self._chunk_items = CHUNK_ITEMS  # the PSI chunk size agreed at the last open
@@ -321,10 +322,13 @@ class HttpPartner:
     ) -> Callable[[], torch.Tensor | None]:
         request = training.StepRequest(self.session_id, step, grad, rows, checkpoint, keep_from, self.precision)
         what = f"step {step}"
-        finish = self._send(fill(training.STEP, **self._session), what, request.encode())
+        body = request.encode()
+        finish = self._send(fill(training.STEP, **self._session), what, body)
 
         def result() -> torch.Tensor | None:
-            reply = self._decoded(lambda body: training.StepReply.decode(body, self.precision), finish(), what)
+            content = finish()
+            self.step_bytes += len(body) + len(content)
+            reply = self._decoded(lambda body: training.StepReply.decode(body, self.precision), content, what)
             if reply.durable is not None:
                 self.durable = reply.durable
             return None if rows is None else self._checked_embedding(reply.embedding, rows.numel(),

@@ -130,6 +130,18 @@ def _required(message: WireMessage, name: str) -> torch.Tensor:
     return tensor
 
 
+# Row positions travel as int32 (an alignment holds far fewer than 2**31 rows): 4 bytes a row, not 8.
+_POSITIONS = (torch.int32, torch.int64)  # int64: what earlier versions sent
+
+
+def _positions_out(rows: torch.Tensor) -> torch.Tensor:
+    return rows.to(torch.int32) if rows.numel() == 0 or int(rows.max()) < 1 << 31 else rows
+
+
+def _positions_in(rows: torch.Tensor | None) -> torch.Tensor | None:
+    return None if rows is None else rows.to(torch.int64)
+
+
 def _optional_int(message: WireMessage, key: str) -> int | None:
     return message.int_meta(key) if key in message.meta else None
 
@@ -179,7 +191,7 @@ class StepRequest:
     precision: Precision = "fp32"
 
     def encode(self) -> bytes:
-        tensors = {"rows": self.rows} if self.rows is not None else {}
+        tensors = {"rows": _positions_out(self.rows)} if self.rows is not None else {}
         if self.grad is not None:
             tensors |= codec.pack("grad", self.grad, self.precision)
         meta: dict[str, object] = {"session": self.session, "step": self.step}
@@ -192,9 +204,10 @@ class StepRequest:
     @classmethod
     def decode(cls, body: bytes, session: str) -> StepRequest:
         """The step addressed to ``session``. Finiteness is left to the trainer, which checks it on every path."""
-        message = checked(body, {"rows": torch.int64, **codec.any_precision("grad")}, session, check_finite=False)
+        message = checked(body, {"rows": _POSITIONS, **codec.any_precision("grad")}, session, check_finite=False)
         precision = codec.parse_precision(message.meta.get("precision"))
-        return cls(session, message.int_meta("step"), codec.unpack(message, "grad", precision), message.get("rows"),
+        return cls(session, message.int_meta("step"), codec.unpack(message, "grad", precision),
+                   _positions_in(message.get("rows")),
                    message.meta.get("checkpoint") == "1", _optional_int(message, "keep_from"), precision)
 
 
@@ -229,16 +242,16 @@ class StepReply:
 class EmbedRequest:
     """Embed these rows with the current weights, changing nothing (evaluation)."""
 
-    TENSORS: ClassVar[dict[str, torch.dtype]] = {"rows": torch.int64}
+    TENSORS: ClassVar[dict[str, tuple[torch.dtype, ...]]] = {"rows": _POSITIONS}
     session: str
     rows: torch.Tensor
 
     def encode(self) -> bytes:
-        return encode({"rows": self.rows}, session=self.session)
+        return encode({"rows": _positions_out(self.rows)}, session=self.session)
 
     @classmethod
     def decode(cls, body: bytes, session: str) -> EmbedRequest:
-        return cls(session, _required(checked(body, cls.TENSORS, session), "rows"))
+        return cls(session, _required(checked(body, cls.TENSORS, session), "rows").to(torch.int64))
 
 
 @dataclass(frozen=True)
