@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from parties.learning.config import BottomConfig, OptimizerConfig
+from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig
 
 __all__ = ["AggregationName", "TaskKind", "TopConfig", "TrainingConfig"]
 
@@ -63,6 +63,10 @@ class TrainingConfig(BaseModel):
         "embeddings and gradients, one round trip stale; 1 (the default) is exact: split equals unsplit, bit for "
         "bit",
     )
+    reuse_steps: int = Field(
+        0, ge=0, le=64, description="with local_steps > 1: further updates per round trip at every party from the "
+        "last two round trips' batches, each row weighted by how little its embedding has moved (CELU-VFL style)",
+    )
     track_test: bool = Field(
         False, description="also score the test rows after every epoch (history column test_<metric>; never "
         "used to choose anything): learning curves and time-to-target figures",
@@ -83,7 +87,16 @@ class TrainingConfig(BaseModel):
     def _exchange_fits(self) -> TrainingConfig:
         if self.local_steps * self.batch_size > 1 << 16:
             raise ValueError("local_steps x batch_size is at most 65536 rows per round trip")
+        if self.reuse_steps and self.local_steps == 1:
+            raise ValueError("reuse_steps needs local_steps > 1 (local_steps 1 is the exact mode)")
         return self
+
+    @property
+    def local(self) -> LocalSteps:
+        """The session's mode as every party runs it."""
+        if self.local_steps == 1:
+            return LocalSteps()
+        return LocalSteps(steps=self.local_steps, batch=self.batch_size, reuse=self.reuse_steps)
 
     @model_validator(mode="after")
     def _fractions(self) -> TrainingConfig:

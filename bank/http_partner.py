@@ -41,6 +41,7 @@ from parties.errors import (
     StorageError,
     UnknownSession,
 )
+from parties.learning.config import LocalSteps
 from parties.protocol import control, psi, scoring, training
 from parties.protocol.codec import Precision
 from parties.protocol.common import OCTET_STREAM, fill
@@ -295,20 +296,19 @@ class HttpPartner:
         return {"session_id": self.session_id}
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
-                       precision: Precision = "fp32", local_steps: int = 1,
-                       local_batch: int | None = None) -> int:
+                       precision: Precision = "fp32", local: LocalSteps | None = None) -> int:
+        local = local or LocalSteps()
         response = self._control(
             "POST", training.SESSIONS, "starting training",
-            content=training.StartRequest(session_id, alignment_id, train_positions, precision, local_steps,
-                                           local_batch).encode(),
+            content=training.StartRequest(session_id, alignment_id, train_positions, precision, local).encode(),
             headers={"content-type": SAFETENSORS},
         )
         expect_server(response, self.name, "partner")
         info = training.TrainSessionInfo.model_validate(response.json())
         if info.precision != precision:
             raise PeerError(f"partner {self.name!r} answered in precision {info.precision!r}, not {precision!r}")
-        if info.local_steps != local_steps:
-            raise PeerError(f"partner {self.name!r} accepted {info.local_steps} local steps, not {local_steps}")
+        if info.local != local:
+            raise PeerError(f"partner {self.name!r} accepted local steps {info.local}, not {local}")
         self.session_id, self.width, self.durable = session_id, info.embedding_width, None
         self.precision = precision
         return info.embedding_width

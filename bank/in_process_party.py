@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from parties.errors import BadMessage, PeerError
+from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
@@ -44,7 +45,7 @@ class InProcessParty:
         return self.session
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
-                       precision: str = "fp32", local_steps: int = 1, local_batch: int | None = None) -> int:
+                       precision: str = "fp32", local: LocalSteps | None = None) -> int:
         """``precision`` is for tensors on a wire: in this process they never leave float32."""
         alignment = self._alignment()
         if alignment.alignment_id != alignment_id:
@@ -55,7 +56,7 @@ class InProcessParty:
             remove_checkpoints(self._checkpoint_dir(session_id))
         self.session = PartySession(
             session_id, self.table, alignment, train_positions, self.config, self.privacy_config, self.monitor,
-            local_steps, local_batch,
+            local,
         )
         return self.session.trainer.width
 

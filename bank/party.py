@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from alignment.psi import PsiPeer
+from parties.learning.config import LocalSteps
 from parties.protocol.training import ModelFiles, PrivacyReport
 from parties.tables.encoding import Fallbacks
 
@@ -29,12 +30,11 @@ class TrainingParty(Protocol):
     name: str
 
     def start_training(self, session_id: str, alignment_id: str, train_positions: torch.Tensor,
-                       precision: str = "fp32", local_steps: int = 1, local_batch: int | None = None) -> int:
+                       precision: str = "fp32", local: LocalSteps | None = None) -> int:
         """Fit the party's encoder on its training rows and build its bottom; returns the embedding width.
 
-        ``precision``: how the session's step tensors travel (``parties.protocol.codec``); ``local_steps``:
-        batches per exchange, of ``local_batch`` rows, one update each
-        (``TrainingConfig.local_steps``; 1 is exact)."""
+        ``precision``: how the session's step tensors travel (``parties.protocol.codec``); ``local``: the
+        communication-efficient mode, if any (``parties.learning.config.LocalSteps``; default exact)."""
         ...
 
     def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

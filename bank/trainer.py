@@ -13,6 +13,7 @@ import copy
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class Coordinator(Recovery):
         self.train_rows_sent = 0  # rows embedded for training (each also gets a gradient back)
         self.eval_rows_sent = 0  # rows embedded for evaluation
         self.audit = AuditRecord() if config.audit else None
+        # Reuse: (rows, every party's embedding) of the last two exchanges' batches, what the top learns from again.
+        self.top_cache: deque[tuple[torch.Tensor, list[torch.Tensor]]] = deque(maxlen=2 * config.local_steps)
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
         self.writer = CheckpointWriter()
         self.rollbacks = 0
@@ -161,9 +164,8 @@ class Coordinator(Recovery):
 
     def _start(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         train = torch.from_numpy(self.split.train.astype(np.int64))
-        precision, local = self.config.wire_precision, self.config.local_steps
-        batch = self.config.batch_size
-        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision, local, batch))
+        precision, local = self.config.wire_precision, self.config.local
+        widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision, local))
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
         return self._build_top()
 
@@ -211,8 +213,10 @@ class Coordinator(Recovery):
     def _local_exchange(
         self, top: torch.nn.Module, optimizer: torch.optim.Optimizer, zs: list[torch.Tensor], group: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor], float]:
-        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought;
-        returns every party's gradient for the whole exchange, in its batches' order, and the mean loss."""
+        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought,
+        then ``reuse_steps`` more from the last two exchanges' batches (as every party does with its own:
+        ``parties.learning.bottom``). Returns every party's gradient for the whole exchange, in its
+        batches' order, and the mean loss."""
         params = list(top.parameters())
         grads: list[list[torch.Tensor]] = [[] for _ in zs]
         losses, start = [], 0
@@ -225,7 +229,14 @@ class Coordinator(Recovery):
             for out, leaf in zip(grads, leaves):
                 out.append(leaf.grad)
             losses.append(loss.item())
+            if self.config.reuse_steps:
+                self.top_cache.append((rows, [leaf.detach() for leaf in leaves]))
             start += len(rows)
+        for k in range(self.config.reuse_steps):
+            rows, cached = self.top_cache[-1 - k % len(self.top_cache)]
+            fast_path.backward(self._loss(top, cached, rows), inputs=params)
+            fast_path.optimizer_step(optimizer)
+            fast_path.clear_grads(params)
         return [torch.cat(g) for g in grads], float(np.mean(losses))
 
     # --- the loop --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.psi import PROTOCOL_VERSION, PsiResponder, check_minimum, partnership_dst
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
+from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import EmbeddingDP
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
@@ -141,10 +142,10 @@ class PartnerCore:
 
     def start_training(
         self, session_id: str, alignment_id: str, train_positions: torch.Tensor, owner: str = "",
-        precision: Precision = "fp32", local_steps: int = 1, local_batch: int | None = None,
+        precision: Precision = "fp32", local: LocalSteps | None = None,
     ) -> TrainSessionInfo:
         """Start (or start again) a training session; ``precision``: how its step tensors travel (each step
-        message names its own, so nothing about it is kept here); ``local_steps``: updates per exchange (kept
+        message names its own, so nothing about it is kept here); ``local``: the communication-efficient mode (kept
         by the session and its checkpoints)."""
         if not session_id or len(session_id) > 64:
             raise BadMessage("a session id is 1 to 64 characters")
@@ -168,7 +169,7 @@ class PartnerCore:
         monitor = self.settings.monitor if self.settings.monitor.probe_every else None
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor,
-            local_steps, local_batch,
+            local,
         )
         session.owner = owner
         remove_checkpoints(self.checkpoint_dir(session_id))  # an abandoned start's: a restart must not find them
@@ -178,7 +179,7 @@ class PartnerCore:
         if previous is not None:
             previous.close()
         return TrainSessionInfo(session=session_id, embedding_width=session.trainer.width, precision=precision,
-                                local_steps=local_steps)
+                                local=local or LocalSteps())
 
     def checkpoint_dir(self, session_id: str) -> Path:
         if not session_id.isalnum():

@@ -111,7 +111,7 @@ async def start_training(
 ) -> training.TrainSessionInfo:
     start = training.StartRequest.decode(await _body(request, c))
     return await run_in_threadpool(c.start_training, start.session, start.alignment, start.train_rows, who.name,
-                                  start.precision, start.local_steps, start.local_batch)
+                                  start.precision, start.local)
 
 
 def step(request: HotRequest) -> HotResponse:

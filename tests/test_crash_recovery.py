@@ -74,12 +74,12 @@ def _coordinator(table, alignment, partner: HttpPartner, config: TrainingConfig,
                        session_id=session, checkpoint_dir=folder / session / "coordinator")
 
 
-@pytest.mark.parametrize(("precision", "local_steps"), [
-    ("fp32", 1), ("int8", 1),  # int8: every step message names its precision
-    ("fp32", 3),  # local steps: a round trip of three batches, applied as three updates
+@pytest.mark.parametrize(("precision", "local_steps", "reuse_steps"), [
+    ("fp32", 1, 0), ("int8", 1, 0),  # int8: every step message names its precision
+    ("fp32", 3, 2),  # local steps: three batches a round trip, two more updates from the cache every party keeps
 ], ids=["fp32", "int8", "local-steps"])
-def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(pki, bank_full: Path, tmp_path: Path,
-                                                                          precision: str, local_steps: int) -> None:
+def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(
+        pki, bank_full: Path, tmp_path: Path, precision: str, local_steps: int, reuse_steps: int) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False)
     partner = PartnerProcess(pki, paths["partner"], tmp_path / "partner")
     table = load_party_table(paths["bank"], "customer_id", "y")
@@ -87,7 +87,7 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(pki, b
     me, them = PeerIdentity("bank", "bank"), PeerIdentity("partner", "partner")
     url = f"https://127.0.0.1:{partner.port}"
     config = TrainingConfig(epochs=3 * local_steps, batch_size=64, checkpoint_every=5, restore_best=False,
-                            wire_precision=precision, local_steps=local_steps)
+                            wire_precision=precision, local_steps=local_steps, reuse_steps=reuse_steps)
     try:
         with make_client(tls, caller=me) as client, WorkerPool(1) as pool:
             def proxy(cls: type[HttpPartner] = HttpPartner) -> HttpPartner:

@@ -5,14 +5,19 @@ one) and the rows of batch ``t`` (absent in the final flush). The party first
 applies the gradient, then embeds batch ``t`` with the updated weights, which
 is exactly what the unsplit model does between two optimiser steps.
 
-Local steps (``local_steps`` = K > 1, the communication-efficient mode, in
-the spirit of FedBCD, Liu et al. 2022): a step carries K batches of
-``local_batch`` rows at once, and the gradient of the previous step's K. The
-party applies that gradient as K updates, one per batch, each recomputing
-that batch's embedding with the current weights (so batch k's gradient meets
-weights that moved k times since it was computed: the staleness this mode
-trades for K times fewer round trips). With one local step (the default) none
-of this runs: the model is the unsplit model's, bit for bit.
+Local steps (``LocalSteps``, the communication-efficient mode): a step
+carries K = ``steps`` batches of ``batch`` rows at once, and the gradient of
+the previous step's K. The party applies that gradient as K updates, one per
+batch, each recomputing that batch's embedding with the current weights (so
+batch k's gradient meets weights that moved k times since it was computed:
+the staleness this mode trades for K times fewer round trips; FedBCD, Liu et
+al. 2022). With ``reuse`` = R it then makes R more updates from a cache of the
+last two steps' batches, newest first, each row's cached gradient weighted by
+the cosine of its embedding now and the one it answered, floored at 0 (the
+instance weighting of CELU-VFL, Fu et al., VLDB 2022): more learning per round
+trip, at the cost of compute alone. The cache is part of a checkpoint. In
+exact mode (the default) none of this runs: the model is the unsplit model's,
+bit for bit.
 
 Exactly once: (session, step) is the idempotency key. A step that arrives
 again with the same content (the bank retrying after a lost response) gets
@@ -27,25 +32,27 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
 from parties.learning import fast_path
+from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom, build_optimizer
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
 
-__all__ = ["BottomTrainer", "MAX_BATCH_ROWS", "MAX_LOCAL_STEPS"]
+__all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 1 << 16
-MAX_LOCAL_STEPS = 32
 
 
 class BottomTrainer:
@@ -57,14 +64,8 @@ class BottomTrainer:
         config: BottomConfig,
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
-        local_steps: int = 1,
-        local_batch: int | None = None,
+        local: LocalSteps | None = None,
     ) -> None:
-        if not 1 <= local_steps <= MAX_LOCAL_STEPS:
-            raise BadMessage(f"local_steps must lie in [1, {MAX_LOCAL_STEPS}], got {local_steps}")
-        if local_steps > 1 and not (local_batch and 1 <= local_batch * local_steps <= MAX_BATCH_ROWS):
-            raise BadMessage(f"local steps need a local batch size, with local_steps x local_batch at most "
-                             f"{MAX_BATCH_ROWS} rows (got {local_steps} x {local_batch})")
         self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
         self.config = config
         self.model = build_bottom(self.x.shape[1], config)
@@ -80,7 +81,11 @@ class BottomTrainer:
         self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.clip is not None else None
         self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
         self._probe: list[tuple[int, int]] = []
-        self.local_steps, self.local_batch = local_steps, (local_batch if local_steps > 1 else None)
+        self.local = local if local is not None and not local.exact else None
+        self.local_batch = None if self.local is None else self.local.batch  # None: exact mode
+        # (rows, gradient, embedding answered) of the last two steps' batches: what reuse learns from.
+        self._cache: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(
+            maxlen=2 * self.local.steps if self.local else 1)
 
     @property
     def width(self) -> int:
@@ -128,8 +133,8 @@ class BottomTrainer:
                 raise OutOfOrder(f"step {step} arrived; expected step {self.next_step}")
             self._check_grad(grad)
             self._check_rows(rows)
-            if rows is not None and self.local_batch is not None and rows.numel() > self.local_steps * self.local_batch:
-                raise BadMessage(f"a step holds at most {self.local_steps} batches of {self.local_batch} rows, "
+            if rows is not None and self.local is not None and rows.numel() > self.local.steps * self.local.batch:
+                raise BadMessage(f"a step holds at most {self.local.steps} batches of {self.local.batch} rows, "
                                  f"got {rows.numel()} rows")
             if self.dp is not None and rows is not None:
                 self.dp.check(rows)
@@ -146,7 +151,7 @@ class BottomTrainer:
                     fast_path.optimizer_step(self.optimizer)
                 else:
                     assert grad is not None and self._pending_index is not None
-                    self._local_updates(self._pending_index, grad)
+                    self._local_updates(self._pending_index, grad, self._pending.detach())
                 # Both go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
                 self._pending, self._pending_index = None, None
             out = None
@@ -171,16 +176,29 @@ class BottomTrainer:
             self._last = (step, grad, rows, out)
             return out
 
-    def _local_updates(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """One update per batch of ``local_batch`` rows, in the order the bank cut them."""
-        assert self.local_batch is not None
-        for part, part_grad in zip(rows.split(self.local_batch), grad.split(self.local_batch)):
-            z = fast_path.forward(self.model, self.x.index_select(0, part))
-            if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
-                z = self.dp.clipped(z)
-            fast_path.clear_grads(self._params)
-            fast_path.backward(z, part_grad)
-            fast_path.optimizer_step(self.optimizer)
+    def _local_updates(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor) -> None:
+        """One update per batch, in the order the bank cut them; then ``reuse`` more from the cache."""
+        assert self.local is not None and self.local.batch is not None
+        parts = list(zip(*(t.split(self.local.batch) for t in (rows, grad, answered))))
+        for part, part_grad, _ in parts:
+            self._update(part, part_grad)
+        if self.local.reuse:
+            self._cache.extend(parts)
+            for k in range(self.local.reuse):
+                part, part_grad, part_answered = self._cache[-1 - k % len(self._cache)]
+                self._update(part, part_grad, part_answered)
+
+    def _update(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor | None = None) -> None:
+        """An update from ``grad``, the gradient of ``rows``' embedding; with ``answered`` (reuse), each row
+        weighted by the cosine of its embedding now and ``answered``, floored at 0."""
+        z = fast_path.forward(self.model, self.x.index_select(0, rows))
+        if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
+            z = self.dp.clipped(z)
+        if answered is not None:
+            grad = grad * F.cosine_similarity(z.detach(), answered, dim=1).clamp_(min=0.0)[:, None]
+        fast_path.clear_grads(self._params)
+        fast_path.backward(z, grad)
+        fast_path.optimizer_step(self.optimizer)
 
     def _replay(self, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         step, last_grad, last_rows, out = self._last  # type: ignore[misc]
@@ -235,8 +253,10 @@ class BottomTrainer:
                 meta["dp_draws"] = self.dp._draws
             if self.monitor is not None:
                 meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
-            if self.local_batch is not None:
-                meta |= {"local_steps": self.local_steps, "local_batch": self.local_batch}
+            if self.local is not None:
+                meta |= {"local": self.local.model_dump(), "cached": len(self._cache)}
+                for i, entry in enumerate(self._cache):
+                    tensors |= {f"cache.{i}.{name}": t.clone() for name, t in zip(("rows", "grad", "z"), entry)}
             return tensors, meta
 
     def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
@@ -251,6 +271,9 @@ class BottomTrainer:
             if self.monitor is not None and "monitor" in meta:
                 self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
                 self.monitor.differences = list(meta["monitor"]["differences"])
+            self._cache.clear()
+            for i in range(meta.get("cached", 0)):
+                self._cache.append(tuple(checkpoint.tensors[f"cache.{i}.{name}"] for name in ("rows", "grad", "z")))
             best = checkpoint.section("best")
             self._best = best or None
             rows = checkpoint.tensors.get("pending.rows")
@@ -262,7 +285,7 @@ class BottomTrainer:
                 if self.dp is not None:
                     clipped = self.dp.clipped(z)
                     z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
-                self._pending, self._pending_index = z, rows
+                self._pending, self._pending_index = (z, rows) if self.local is None else (z.detach(), rows)
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["BottomConfig", "MonitorConfig", "OptimizerConfig", "PrivacyConfig"]
+__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "OptimizerConfig", "PrivacyConfig"]
 
 
 class OptimizerConfig(BaseModel):
@@ -49,3 +49,31 @@ class MonitorConfig(BaseModel):
     threshold: float = Field(1e-3, gt=0, description="alarm when the median relative difference is under this")
     min_pairs: int = Field(8, ge=1, description="pairs observed before any verdict")
     seed: int = 0
+
+
+class LocalSteps(BaseModel):
+    """How a training session trades exactness for round trips (``parties.learning.bottom``).
+
+    The default, one batch per round trip and no reuse, is exact. The bank chooses it for a session
+    (``TrainingConfig.local_steps``, ``reuse_steps``) and every party runs it, its own bottom too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(1, ge=1, le=32, description="batches per round trip, one update each")
+    batch: int | None = Field(None, ge=1, le=1 << 16, description="rows per batch (the bank's batch size)")
+    reuse: int = Field(0, ge=0, le=64, description="further updates per round trip from the last two round "
+                       "trips' batches, each row weighted by how little its embedding has moved")
+
+    @property
+    def exact(self) -> bool:
+        return self.steps == 1 and self.reuse == 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LocalSteps:
+        if self.reuse and self.steps == 1:
+            raise ValueError("reuse needs local steps (steps > 1)")
+        if self.steps > 1 and (self.batch is None or self.steps * self.batch > 1 << 16):
+            raise ValueError(f"local steps need a batch size, with steps x batch at most 65536 rows "
+                             f"(got {self.steps} x {self.batch})")
+        return self

@@ -14,6 +14,7 @@ from safetensors.torch import save as save_tensors
 
 from parties.errors import BadMessage, OutOfOrder, StorageError
 from parties.learning.bottom import BottomTrainer
+from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
@@ -39,8 +40,7 @@ class PartySession:
         config: BottomConfig,
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
-        local_steps: int = 1,
-        local_batch: int | None = None,
+        local: LocalSteps | None = None,
     ) -> None:
         n = len(alignment)
         if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
@@ -55,8 +55,7 @@ class PartySession:
         aligned = table.features.iloc[alignment.rows]
         self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
         self.privacy, self.monitor = privacy, monitor
-        self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor, local_steps,
-                                     local_batch)
+        self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor, local)
         self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
@@ -116,7 +115,7 @@ class PartySession:
         self.encoder = TabularEncoder.from_dict(meta["encoder"])
         features = self.encoder.transform(table.features.iloc[alignment.rows])
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor,
-                                     meta["trainer"].get("local_steps", 1), meta["trainer"].get("local_batch"))
+                                     LocalSteps.model_validate(meta["trainer"].get("local", {})))
         self.trainer.load_state(checkpoint, meta["trainer"])
         self.train_digest, self.restarted_at, self.owner = meta.get("train_digest"), step, meta.get("owner", "")
         self.writer = CheckpointWriter()

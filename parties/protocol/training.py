@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from parties.errors import BadMessage
+from parties.learning.config import LocalSteps
 from parties.protocol import codec
 from parties.protocol.codec import Precision
 from parties.protocol.common import Message
@@ -74,7 +75,8 @@ class TrainSessionInfo(Message):
     session: str
     embedding_width: int = Field(ge=1)
     precision: Precision = Field("fp32", description="how step tensors travel, as the partner accepted it")
-    local_steps: int = Field(1, ge=1, description="batches per step, one update each, as the partner accepted it")
+    local: LocalSteps = Field(default_factory=LocalSteps, description="the communication-efficient mode, as the "
+                              "partner accepted it (default: exact)")
 
 
 class FinishRequest(Message):
@@ -155,21 +157,23 @@ class StartRequest:
     alignment: str
     train_rows: torch.Tensor
     precision: Precision = "fp32"  # how the session's step tensors will travel (``parties.protocol.codec``)
-    local_steps: int = 1  # batches per step, one update each (the communication-efficient mode); 1 is exact
-    local_batch: int | None = None  # rows per batch, with local steps
+    local: LocalSteps = LocalSteps()  # the communication-efficient mode (``parties.learning.config``); exact
 
     def encode(self) -> bytes:
         extra: dict[str, object] = {} if self.precision == "fp32" else {"precision": self.precision}
-        if self.local_steps != 1:
-            extra |= {"local_steps": self.local_steps, "local_batch": self.local_batch}
+        if not self.local.exact:
+            extra["local"] = self.local.model_dump_json()
         return encode({"train_rows": self.train_rows}, session=self.session, alignment=self.alignment, **extra)
 
     @classmethod
     def decode(cls, body: bytes) -> StartRequest:
         message = checked(body, cls.TENSORS, None)
+        try:
+            local = LocalSteps.model_validate_json(message.meta.get("local", "{}"))
+        except ValidationError as exc:
+            raise BadMessage(f"local steps: {exc.errors()[0]['msg']}") from exc
         return cls(message.meta.get("session", ""), message.meta.get("alignment", ""),
-                   _required(message, "train_rows"), codec.parse_precision(message.meta.get("precision")),
-                   _optional_int(message, "local_steps") or 1, _optional_int(message, "local_batch"))
+                   _required(message, "train_rows"), codec.parse_precision(message.meta.get("precision")), local)
 
 
 @dataclass(frozen=True)
