@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "bench", "privacy_study", "psi_bench", "report", "score", "serve", "sessions", "subset_study", "train",
+    "print_scoring", "print_summary", "align", "bench", "privacy_study", "psi_bench", "report", "scale_bench", "score", "serve", "sessions", "subset_study", "train",
     "walkthrough",
 ]
 
@@ -260,6 +260,17 @@ def psi_bench(args: argparse.Namespace) -> int:
 
 
 # --- the walkthrough: every party on this machine, end to end -----------------------------------------------
+
+
+def scale_bench(args: argparse.Namespace) -> int:
+    from bank.lab.scale_bench import format_scale_bench, run_scale_bench, scale_bench_json
+
+    figures = run_scale_bench(args.customers, args.partners, args.epochs, sequential=args.sequential, seed=args.seed,
+                              out=args.out, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_scale_bench(figures))
+    if args.json is not None:
+        args.json.write_text(scale_bench_json(figures) + "\n")
+    return 0
 
 
 def walkthrough(args: argparse.Namespace) -> int:

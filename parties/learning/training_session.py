@@ -40,6 +40,7 @@ class PartySession:
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
     ) -> None:
+        started = time.perf_counter()
         n = len(alignment)
         if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
             raise BadMessage("train_rows must be a non-empty 1-D int64 tensor")
@@ -56,8 +57,8 @@ class PartySession:
         self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor)
         self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
-        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
-                    session_id, n, self.encoder.width, config.cut_width)
+        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d; set up in %.3f s",
+                    session_id, n, self.encoder.width, config.cut_width, time.perf_counter() - started)
 
     def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
         """Whether this session was started with these arguments."""
