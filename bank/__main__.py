@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--partners", default=None, help="comma-separated subset of partners (default: every one)")
     a.add_argument("--min-intersection", type=int, default=None,
                    help="refuse an intersection smaller than this (default: the service's --min-intersection)")
+    a.add_argument("--sequential", action="store_true",
+                   help="align with one partner after another (default: with every partner at once; same result)")
     _add_log_level(a)
 
     t = command(sub, "train", "train across every partner, through the running bank service", handler=commands.train,

@@ -70,7 +70,8 @@ def align(args: argparse.Namespace) -> int:
 
     tls = _operator_tls(args)
     request = AlignmentRequest(
-        partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection
+        partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection,
+        mode="sequential" if args.sequential else "concurrent",
     )
     with BankOperator(args.url, tls, args.name) as operator:
         result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
