@@ -145,8 +145,7 @@ def align_with_partners(
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel)
             with lock:
                 opened[name] = (session_id, result)
-            logger.info("PSI with %s: %d common customers", name, len(result))
-            report(f"{len(result):,} common customers")
+            report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
             return session_id, result
         except BaseException as exc:
