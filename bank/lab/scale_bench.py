@@ -24,7 +24,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,6 @@ class ScaleBench:
     train_job_seconds: float
     sequential_seconds: float | None = None  # cached hashes, one partner after another
     concurrent_seconds: float | None = None  # cached hashes, every partner at once
-    notes: list[str] = field(default_factory=list)
 
     @property
     def alignment_ratio(self) -> float | None:
