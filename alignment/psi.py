@@ -296,10 +296,12 @@ def run_initiator(
     chunk_items: int = CHUNK_ITEMS,
     max_peer_count: int = MAX_IDS,
     progress: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
     Every size the peer announces is checked against what was agreed before anything is read.
+    ``cancel`` set stops the blinding between slices (``CancelledError``); the session is aborted.
     """
     say = progress or (lambda _msg: None)
     own_count = len(own_points) // curve.POINT_BYTES
@@ -313,7 +315,7 @@ def run_initiator(
             raise PeerError(f"the peer announced {info.peer_count} IDs; at most {max_peer_count} are accepted")
         say("blinding own IDs")
         shuffled = _permuted(own_points, order)
-        own_blinded = pool.blind(key, shuffled, validate=False)  # our own hashes: nothing to check
+        own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False)  # our own hashes: nothing to check
         for i in range(n_chunks(own_count, chunk_items)):
             peer.put_blinded(info.session_id, i, chunk_of(own_blinded, i, chunk_items, curve.POINT_BYTES))
         # The peer re-blinds our set while we re-blind its own: fetch its set first, then ours back.
@@ -322,7 +324,7 @@ def run_initiator(
                                 lambda i: peer.get_blinded(info.session_id, i))
         say("re-blinding the peer's IDs")
         try:
-            peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES)
+            peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES, cancel)
         except ValueError as exc:
             raise PeerError(f"the peer's blinded set is unusable: {exc}") from exc
         say("receiving own IDs blinded by the peer")

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--partners", default=None, help="comma-separated subset of partners (default: every one)")
     a.add_argument("--min-intersection", type=int, default=None,
                    help="refuse an intersection smaller than this (default: the service's --min-intersection)")
+    a.add_argument("--sequential", action="store_true",
+                   help="align with one partner after another (default: with every partner at once; same result)")
     _add_log_level(a)
 
     t = command(sub, "train", "train across every partner, through the running bank service", handler=commands.train,
@@ -176,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--workers", type=int, default=None, help="worker processes per party (default: every core)")
     pb.add_argument("--json", type=Path, default=None, help="also write the figures here")
     _add_log_level(pb)
+
+    sb = command(sub, "scale-bench", "generate a synthetic bank and N partners, run them end to end as services, "
+                                     "and time every stage", handler=commands.scale_bench)
+    sb.add_argument("--customers", type=int, default=1_000_000, help="the bank's customers (default %(default)s)")
+    sb.add_argument("--partners", type=int, default=3, help="partner services (default %(default)s)")
+    sb.add_argument("--epochs", type=int, default=2, help="training epochs (default %(default)s)")
+    sb.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default %(default)s)")
+    sb.add_argument("--sequential", action="store_true",
+                    help="also align one partner after another and all at once again (hashes cached), side by side")
+    sb.add_argument("--out", type=Path, default=None, help="keep the data, logs and runs here (default: a temporary folder)")
+    sb.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    _add_log_level(sb)
 
     w = command(sub, "walkthrough", "run the bank-marketing walkthrough end to end", handler=commands.walkthrough)
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")

@@ -8,26 +8,42 @@ model, while the order says nothing about the bank's own file. Each partner is
 then told which of its rows to keep and in which order, as positions in the
 blinded set it sent in its own random order (no IDs): it learns those rows and
 nothing of its pairwise intersection beyond them.
+
+The pairwise sessions run concurrently, one thread per partner, sharing the
+bank's worker pool: while one partner blinds or re-blinds, the bank's workers
+serve another. Each session keeps its own fresh key and order, and its own
+partnership DST: the bank's blinded set is never reused across partners (the
+DST makes the bank's hashes differ per partnership, so one blinded set could
+not serve two partners anyway, and colluding partners see unrelated values).
+The result does not depend on which session ends first: the pairwise results
+are combined in the configured partner order, and the training order is the
+seeded hash order. ``mode="sequential"`` runs them one after another (the
+bench's reference figure).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
-from parties.errors import ConfigError
+from parties.errors import ConfigError, CutlayerError
 from parties.tables.table import AlignedRows, PartyTable
 from parties.transport.jobs import Progress
 
-__all__ = ["align_with_partners", "seeded_order"]
+__all__ = ["AlignmentMode", "align_with_partners", "seeded_order"]
+
+AlignmentMode = Literal["concurrent", "sequential"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +62,54 @@ def _positions_in(result: PsiResult, bank_rows: np.ndarray, n_bank: int) -> np.n
     return where[bank_rows]
 
 
+def _named(exc: BaseException, name: str) -> BaseException:
+    """``exc`` with the partner's name in its message (same type), unless it names it already."""
+    if not isinstance(exc, CutlayerError) or repr(name) in str(exc):
+        return exc
+    try:
+        named = type(exc)(f"partner {name!r}: {exc}")
+    except TypeError:  # an exception type with another signature: keep it as it is
+        return exc
+    return named
+
+
+class _Board:
+    """Each partner's latest step on one progress line, so concurrent partners stay readable apiece."""
+
+    def __init__(self, names: list[str], say: Progress | Callable[[str], None]) -> None:
+        self._say, self._lock = say, threading.Lock()
+        self._steps: dict[str, str] = dict.fromkeys(names, "waiting")
+
+    def reporter(self, name: str) -> Callable[[str], None]:
+        def report(message: str) -> None:
+            logger.info("alignment with %s: %s", name, message)
+            with self._lock:
+                self._steps[name] = message
+                line = "; ".join(f"{n}: {m}" for n, m in self._steps.items())
+                self._say(line)  # under the lock: lines reach the job in the order they were made
+
+        return report
+
+
+class _Cancellable:
+    """A PSI peer that refuses further calls once ``cancel`` is set: another partner's failure ends this one too."""
+
+    def __init__(self, peer: PsiPeer, cancel: threading.Event) -> None:
+        self._peer, self._cancel = peer, cancel
+
+    def __getattr__(self, attr: str) -> Any:
+        call = getattr(self._peer, attr)
+        if attr == "abort":  # always let a session be closed
+            return call
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self._cancel.is_set():
+                raise CancelledError("another partner's alignment failed")
+            return call(*args, **kwargs)
+
+        return guarded
+
+
 def align_with_partners(
     table: PartyTable,
     partners: Mapping[str, PsiPeer],
@@ -56,22 +120,50 @@ def align_with_partners(
     cache_dir: Path | None = None,
     progress: Progress | None = None,
     bank_name: str = "bank",
+    mode: AlignmentMode = "concurrent",
 ) -> tuple[AlignedRows, dict[str, int]]:
-    """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows."""
+    """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows.
+
+    A partner's failure stops the others' sessions (each is aborted at its partner) and is raised
+    with the partner's name in its message.
+    """
     say = progress or (lambda _msg: None)
     if not partners:
         raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
-    results: dict[str, tuple[str, PsiResult]] = {}
-    try:
-        for name, peer in partners.items():
-            say(f"{name}: hashing own IDs onto the curve")
+    board = _Board(list(partners), say)
+    cancel = threading.Event()
+    opened: dict[str, tuple[str, PsiResult]] = {}  # sessions to abort if anything fails before their commit
+    failures: list[BaseException] = []  # in the order they happened; another partner's cancel is none
+    lock = threading.Lock()
+
+    def pairwise(name: str) -> tuple[str, PsiResult]:
+        report = board.reporter(name)
+        try:
+            report("hashing own IDs onto the curve")
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
-            session_id, result = run_initiator(
-                peer, points, pool, progress=lambda msg, name=name: say(f"{name}: {msg}")
-            )
-            results[name] = (session_id, result)
-            logger.info("PSI with %s: %d common customers", name, len(result))
+            peer = _Cancellable(partners[name], cancel)
+            session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel)
+            with lock:
+                opened[name] = (session_id, result)
+            report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
+            return session_id, result
+        except BaseException as exc:
+            cancel.set()
+            named = _named(exc, name)
+            if not isinstance(exc, CancelledError):
+                report(f"failed: {exc}")
+                with lock:
+                    failures.append(named)
+            if named is exc:
+                raise
+            raise named from exc
+
+    try:
+        if mode == "sequential":
+            results = {name: pairwise(name) for name in partners}
+        else:
+            results = _concurrently(list(partners), pairwise, failures)
         first = next(iter(results.values()))[1].rows
         in_all = np.ones(len(first), dtype=bool)
         for _, result in results.values():
@@ -79,16 +171,30 @@ def align_with_partners(
         rows = seeded_order(table, first[in_all], order_seed)
         check_minimum(len(rows), min_intersection, "all partners together")
         alignment = AlignedRows(uuid.uuid4().hex, rows)
-        pairwise = {name: len(result) for name, (_, result) in results.items()}
+        counts = {name: len(result) for name, (_, result) in results.items()}
         say("committing the alignment")
-        for name, (session_id, result) in list(results.items()):
+        for name, (session_id, result) in results.items():
             partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)))
-            del results[name]
+            del opened[name]
     except BaseException:
-        for name, (session_id, _) in results.items():
+        for name, (session_id, _) in opened.items():
             try:
                 partners[name].abort(session_id)
             except Exception:
                 logger.warning("could not abort the PSI session with %s", name)
         raise
-    return alignment, pairwise
+    return alignment, counts
+
+
+def _concurrently(
+    names: list[str], pairwise: Callable[[str], tuple[str, PsiResult]], failures: list[BaseException],
+) -> dict[str, tuple[str, PsiResult]]:
+    """``pairwise`` for every partner at once, in the partners' order; the first failure is raised."""
+    with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="align") as threads:
+        futures: dict[str, Future[tuple[str, PsiResult]]] = {n: threads.submit(pairwise, n) for n in names}
+        wait(futures.values())  # after a failure the others stop at their next step
+    if failures:
+        for later in failures[1:]:
+            logger.warning("alignment also failed: %s", later)
+        raise failures[0]
+    return {n: futures[n].result() for n in names}  # a cancelled one raises here

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "bench", "privacy_study", "psi_bench", "report", "score", "serve", "sessions", "subset_study", "train",
+    "print_scoring", "print_summary", "align", "bench", "privacy_study", "psi_bench", "report", "scale_bench", "score", "serve", "sessions", "subset_study", "train",
     "walkthrough",
 ]
 
@@ -70,7 +70,8 @@ def align(args: argparse.Namespace) -> int:
 
     tls = _operator_tls(args)
     request = AlignmentRequest(
-        partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection
+        partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection,
+        mode="sequential" if args.sequential else "concurrent",
     )
     with BankOperator(args.url, tls, args.name) as operator:
         result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
@@ -260,6 +261,17 @@ def psi_bench(args: argparse.Namespace) -> int:
 
 
 # --- the walkthrough: every party on this machine, end to end -----------------------------------------------
+
+
+def scale_bench(args: argparse.Namespace) -> int:
+    from bank.lab.scale_bench import format_scale_bench, run_scale_bench, scale_bench_json
+
+    figures = run_scale_bench(args.customers, args.partners, args.epochs, sequential=args.sequential, seed=args.seed,
+                              out=args.out, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_scale_bench(figures))
+    if args.json is not None:
+        args.json.write_text(scale_bench_json(figures) + "\n")
+    return 0
 
 
 def walkthrough(args: argparse.Namespace) -> int:

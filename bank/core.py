@@ -98,6 +98,7 @@ class BankCore:
                 cache_dir=self.settings.cache_dir,
                 progress=progress,
                 bank_name=self.settings.name,
+                mode=request.mode,
             )
         self.alignment, self.pairwise = alignment, pairwise
         save_alignment(self.settings.state_path, self.table, alignment)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from bank.config import TrainingConfig
 from bank.core import BankCore
 from parties.errors import NotAligned, OutOfOrder
+from parties.learning.model import prepare_optimizers
 from parties.protocol import control
 from parties.protocol.control import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
 from parties.settings import BankSettings
@@ -89,7 +91,11 @@ def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The optimizers' first-use imports run beside the table's loading, before the service listens.
+        warm = threading.Thread(target=prepare_optimizers, name="prepare-optimizers")
+        warm.start()
         loaded = table or settings.load_table()
+        warm.join()
         app.state.core = BankCore(settings, loaded)
         try:
             yield

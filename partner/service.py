@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from parties.errors import OutOfOrder
+from parties.learning.model import prepare_optimizers
 from parties.protocol import control, psi, scoring, training
 from parties.protocol.common import OCTET_STREAM
 from parties.protocol.wire import SAFETENSORS
@@ -210,7 +212,11 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The optimizers' first-use imports run beside the table's loading, before the service listens.
+        warm = threading.Thread(target=prepare_optimizers, name="prepare-optimizers")
+        warm.start()
         loaded = table or settings.load_table()
+        warm.join()
         app.state.core = PartnerCore(settings, loaded)
         try:
             yield

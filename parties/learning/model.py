@@ -10,7 +10,7 @@ from torch import nn
 
 from parties.learning.config import BottomConfig, OptimizerConfig
 
-__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp"]
+__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp", "prepare_optimizers"]
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:
@@ -51,3 +51,15 @@ def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerConfig) -> 
     if config.optimizer == "adam":
         return torch.optim.Adam(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
     return torch.optim.SGD(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+def prepare_optimizers() -> None:
+    """Build every optimizer once, on a throwaway parameter, so no training session pays its first use.
+
+    torch imports what its optimizers need (``torch._dynamo``, about a second) when the first one is
+    built: a service calls this at start-up, off the training path. Public calls only; building an
+    optimizer has no other lasting effect.
+    """
+    param = nn.Parameter(torch.zeros(1))
+    for name in ("adam", "sgd"):
+        build_optimizer([param], OptimizerConfig(optimizer=name))

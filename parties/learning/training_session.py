@@ -42,11 +42,12 @@ class PartySession:
         monitor: MonitorConfig | None = None,
         local: LocalSteps | None = None,
     ) -> None:
+        started = time.perf_counter()
         n = len(alignment)
         if train_positions.dtype != torch.int64 or train_positions.dim() != 1 or train_positions.numel() == 0:
             raise BadMessage("train_rows must be a non-empty 1-D int64 tensor")
         positions = train_positions.numpy()
-        if positions.min() < 0 or positions.max() >= n or len(np.unique(positions)) != len(positions):
+        if positions.min() < 0 or positions.max() >= n or not _distinct(positions, n):
             raise BadMessage(f"train_rows must be distinct positions in [0, {n})")
         self.session_id, self.alignment_id, self.config = session_id, alignment.alignment_id, config
         self.train_digest = _digest(train_positions)
@@ -58,8 +59,8 @@ class PartySession:
         self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor, local)
         self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
-        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d",
-                    session_id, n, self.encoder.width, config.cut_width)
+        logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d; set up in %.3f s",
+                    session_id, n, self.encoder.width, config.cut_width, time.perf_counter() - started)
 
     def started_with(self, alignment_id: str, train_positions: torch.Tensor) -> bool:
         """Whether this session was started with these arguments."""
@@ -142,6 +143,13 @@ class PartySession:
         except OSError as exc:
             raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
         return digests
+
+
+def _distinct(positions: np.ndarray, n: int) -> bool:
+    """Whether positions in ``[0, n)`` repeat none: one pass over a mask, not a sort (``np.unique``)."""
+    seen = np.zeros(n, dtype=bool)
+    seen[positions] = True
+    return int(np.count_nonzero(seen)) == len(positions)
 
 
 def _digest(positions: torch.Tensor) -> str:

@@ -55,6 +55,8 @@ class AlignmentRequest(Message):
     partners: list[str] | None = Field(None, description="default: every configured partner")
     min_intersection: int | None = Field(None, ge=1)
     order_seed: int = Field(0, description="seeds the shared row order (same data and seed: same order)")
+    mode: Literal["concurrent", "sequential"] = Field(
+        "concurrent", description="align with every partner at once, or one after another (same result)")
 
 
 class AlignmentInfo(Message):

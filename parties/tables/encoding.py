@@ -40,6 +40,24 @@ def category_text(values: pd.Series) -> pd.Series:
     the same. Text is stripped; leading zeros are kept (``"01"`` is a code, not a number). Missing
     values come back as ``""``.
     """
+    # A column has few distinct categories and many rows: the text of each distinct value is worked out
+    # once (by the reference, value by value) and spread over the rows. Exact only where equal values
+    # give equal text: plain strings, numbers (0.0 and -0.0 both read "0"); anything else (bools mixed
+    # with numbers in an object column, say) goes value by value.
+    codes, uniques = pd.factorize(values)
+    numeric = pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+    if not numeric and not all(type(u) is str for u in uniques):
+        return _category_text_each(values)
+    each = _category_text_each(pd.Series(uniques, dtype=values.dtype))
+    text = each.to_numpy(dtype=object)[codes]
+    missing = codes < 0
+    if missing.any():
+        text[missing] = _category_text_each(values[missing]).to_numpy(dtype=object)
+    return pd.Series(text, index=values.index, dtype=each.dtype, name=values.name)
+
+
+def _category_text_each(values: pd.Series) -> pd.Series:
+    """``category_text`` value by value: the reference the fast path is tested against."""
     if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
         numbers = values.astype("float64")
         integral = numbers.notna() & np.isfinite(numbers) & (numbers == np.round(numbers))

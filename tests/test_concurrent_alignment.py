@@ -1,0 +1,111 @@
+"""The bank aligns with every partner at once: the same result as one after another, and a failure named."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from alignment.parallel import WorkerPool
+from bank.aligner import align_with_partners
+from bank.http_partner import HttpPartner
+from bank.lab.scale_bench import write_synthetic_parties
+from parties.errors import PeerError
+from parties.settings import PartnerSettings
+from parties.tables.table import load_party_table
+from parties.transport.client import make_client
+from parties.transport.server import ServerThread
+from parties.transport.tls import PeerIdentity, TLSFiles, write_dev_pki
+from partner.service import create_app as create_partner_app
+
+PARTNERS = ("partner1", "partner2", "partner3")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Path], dict[str, ServerThread]]]:
+    """Three real partner services (mutual TLS) over seeded synthetic tables that overlap the bank's in part."""
+    out = tmp_path_factory.mktemp("concurrent")
+    write_dev_pki(out / "pki", {"bank": "bank", **dict.fromkeys(PARTNERS, "partner")})
+    paths = write_synthetic_parties(out / "data", 600, len(PARTNERS), seed=3)
+    servers: dict[str, ServerThread] = {}
+    try:
+        for name in PARTNERS:
+            files = TLSFiles.from_dir(out / "pki", name)
+            settings = PartnerSettings(name=name, data=paths[name], tls_ca=files.ca, tls_cert=files.cert,
+                                       tls_key=files.key, state_dir=out / f"state-{name}", workers=1)
+            servers[name] = ServerThread(create_partner_app(settings), settings.tls_files()).start()
+        yield out / "pki", paths, servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _align(federation, mode: str, wrap=lambda name, peer: peer):
+    pki, paths, servers = federation
+    table = load_party_table(paths["bank"], "customer_id", "y")
+    with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client, \
+            WorkerPool(1) as pool:
+        peers = {n: wrap(n, HttpPartner(n, servers[n].url, client, retry_deadline=2)) for n in PARTNERS}
+        alignment, pairwise = align_with_partners(table, peers, pool, order_seed=7, mode=mode)
+    partner_rows = {n: servers[n].app.state.core.alignment.rows.copy() for n in PARTNERS}
+    return alignment, pairwise, partner_rows
+
+
+class _Meeting:
+    """A peer whose sessions all wait at ``open`` until every partner's session has opened."""
+
+    def __init__(self, peer: HttpPartner, barrier: threading.Barrier) -> None:
+        self._peer, self._barrier = peer, barrier
+
+    def open(self, own_count: int, chunk_items: int):
+        self._barrier.wait()  # sequential alignment never gets past this: the next partner has not started
+        return self._peer.open(own_count, chunk_items)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._peer, attr)
+
+
+def test_concurrent_alignment_equals_sequential_and_runs_at_once(federation) -> None:
+    sequential, seq_pairwise, seq_rows = _align(federation, "sequential")
+    barrier = threading.Barrier(len(PARTNERS), timeout=30)
+    concurrent, conc_pairwise, conc_rows = _align(federation, "concurrent", lambda _n, p: _Meeting(p, barrier))
+    # The same customers in the same order, at the bank and at every partner; the alignments are two.
+    assert len(sequential) > 0 and np.array_equal(sequential.rows, concurrent.rows)
+    assert sequential.alignment_id != concurrent.alignment_id
+    assert seq_pairwise == conc_pairwise and list(conc_pairwise) == list(PARTNERS)
+    for name in PARTNERS:
+        assert np.array_equal(seq_rows[name], conc_rows[name])
+    # And it is the true three-way intersection, in the seeded order.
+    _, paths, _ = federation
+    ids = [load_party_table(paths[n], "customer_id").ids for n in ("bank", *PARTNERS)]
+    common = set(ids[0]).intersection(*map(set, ids[1:]))
+    assert {ids[0][r] for r in concurrent.rows} == common and len(concurrent) == len(common)
+    assert [ids[1][r] for r in conc_rows["partner1"]] == [ids[0][r] for r in concurrent.rows]
+
+
+class _Dropping:
+    """A peer that fails mid-session, after the bank's blinded set went out: the connection drops."""
+
+    def __init__(self, peer: HttpPartner) -> None:
+        self._peer = peer
+
+    def get_reblinded(self, session_id: str, index: int) -> bytes:
+        raise PeerError("the connection dropped")  # names no partner: the aligner must
+
+    def __getattr__(self, attr: str):
+        return getattr(self._peer, attr)
+
+
+@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+def test_a_partner_failing_mid_alignment_is_named_and_nobody_keeps_a_session(federation, mode) -> None:
+    _, _, servers = federation
+    before = {n: servers[n].app.state.core.alignment for n in PARTNERS}
+    with pytest.raises(PeerError, match=r"partner 'partner2': the connection dropped"):
+        _align(federation, mode, lambda n, p: _Dropping(p) if n == "partner2" else p)
+    for name in PARTNERS:
+        core = servers[name].app.state.core
+        assert core.alignment is before[name]  # nothing was committed anywhere
+        assert not core._sessions  # every PSI session was aborted: the failing one's and the others'
