@@ -25,6 +25,7 @@ import httptools
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol import http
+from parties.transport import sockets
 from parties.transport.tls import PeerIdentity, handshake_failure, peer_identity
 
 __all__ = ["Channel", "ChannelResponse"]
@@ -102,7 +103,7 @@ class Channel:
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets.tune(sock)  # TCP_NODELAY, a loss-based congestion control
             if self.https:
                 assert self.context is not None
                 sock = self.context.wrap_socket(sock, server_hostname=self.host)
