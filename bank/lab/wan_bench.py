@@ -62,7 +62,7 @@ class WanMode:
     floor_step_seconds: float  # RTT + bytes per step at the rate
     floor_epoch_seconds: float  # round trips x RTT + bytes per epoch at the rate
     epoch_seconds: float
-    ratio: float  # step seconds / floor
+    ratio: float | None  # step seconds / floor (None: no floor, at 0 ms RTT and no rate)
     time_to_target_seconds: float | None  # cumulative training seconds to the target AUC (median over rounds)
     target_column: str | None
     best_auc: float
@@ -223,7 +223,7 @@ def _mode(name: str, overrides: dict[str, Any], runs: list[dict[str, Any]], link
         bytes_per_step=round(comm["bytes_per_step"], 1), bytes_per_epoch=round(comm["bytes_per_epoch"], 1),
         floor_step_seconds=round(floor_step, 6),
         floor_epoch_seconds=round(round_trips * rtt + link.transfer_seconds(comm["bytes_per_epoch"]), 4),
-        epoch_seconds=round(float(np.median(epoch_seconds)), 4), ratio=round(step / floor_step, 3),
+        epoch_seconds=round(float(np.median(epoch_seconds)), 4), ratio=round(step / floor_step, 3) if floor_step > 0 else None,
         time_to_target_seconds=round(float(np.median(reached)), 3) if len(reached) == len(reach) else None,
         target_column=column, best_auc=round(best, 4),
     )
@@ -242,7 +242,8 @@ def format_wan_bench(b: WanBench) -> str:
     for m in b.modes:
         reach = f"{m.time_to_target_seconds:.2f}" if m.time_to_target_seconds is not None else f"not (best {m.best_auc:.3f})"
         lines.append(
-            f"  {m.name:<10}{1e3 * m.step_seconds:9.2f}{1e3 * m.floor_step_seconds:8.2f}{m.ratio:7.2f}"
+            f"  {m.name:<10}{1e3 * m.step_seconds:9.2f}{1e3 * m.floor_step_seconds:8.2f}"
+            f"{f'{m.ratio:.2f}' if m.ratio is not None else '-':>7}"
             f"{m.round_trips_per_epoch:13.0f}{m.bytes_per_step:12,.0f}{m.epoch_seconds:9.3f}{m.floor_epoch_seconds:8.3f}"
             f"{reach:>20}"
         )
