@@ -101,9 +101,8 @@ class Channel:
         self._closed = False
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        sock = sockets.connect(self.host, self.port, self.timeout)  # TCP_NODELAY, a loss-based congestion control
         try:
-            sockets.tune(sock)  # TCP_NODELAY, a loss-based congestion control
             if self.https:
                 assert self.context is not None
                 sock = self.context.wrap_socket(sock, server_hostname=self.host)

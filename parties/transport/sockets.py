@@ -13,7 +13,11 @@ trip. Two kernel defaults cost whole round trips on a WAN:
   A loss-based congestion control sends what the window allows at once, so each
   socket asks for one (``TCP_CONGESTION``), the first the kernel lets this
   process choose from ``CONGESTION_PREFERENCE``; reno is always allowed. Where
-  none is, the host's default stays.
+  none is, the host's default stays. It must be set before the connection is
+  made (``connect``; a listening socket passes it to the connections it
+  accepts): BBR, once it ran on a connection, has switched the kernel's own
+  pacing on for it, and a later switch of congestion control keeps the pacing
+  (measured: a 74 KB request then still leaves over 4 ms).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import functools
 import logging
 import socket
 
-__all__ = ["CONGESTION_PREFERENCE", "congestion_control", "socket_options", "tune"]
+__all__ = ["CONGESTION_PREFERENCE", "congestion_control", "connect", "socket_options", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +66,20 @@ def tune(sock: socket.socket) -> None:
         return
     for level, option, value in socket_options():
         sock.setsockopt(level, option, value)
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    """``socket.create_connection``, but with the options set before the connection is made."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            tune(sock)
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        return sock
+    raise error if error is not None else OSError(f"{host}:{port}: no address to connect to")
