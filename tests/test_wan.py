@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,17 +19,27 @@ from bank.lab.netns import BANK_ADDRESS, PARTNER_ADDRESS, emulated_link, privile
 from bank.lab.wan_bench import time_to_target
 from parties.cli import run_cli
 from parties.errors import ConfigError
+from parties.transport import sockets
+from parties.transport.edges import bind_socket
 
 ROOT = Path(__file__).resolve().parents[1]
 can_build = pytest.mark.skipif(
     privilege_problem() is not None, reason=f"cannot build network namespaces here: {privilege_problem()}"
 )
 
-# A raw TCP probe, no TLS: the server echoes N bytes back for N bytes; the client sends them TRIPS times, each
-# after the last echo, and prints each round trip in ms; with N=0 it sends BULK bytes one way and times them.
+# A raw TCP probe, no TLS: the server echoes SIZE bytes for SIZE bytes; the client sends them TRIPS times, each
+# after the last echo, and prints each round trip in ms. OPTIONS: "party" sets the party sockets' options
+# (``parties.transport.sockets``) on both ends before they connect, "bbr" asks for BBR instead, "none" neither.
 PROBE = r"""
 import json, socket, sys, time
-role, host, size, trips = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+from parties.transport import sockets
+role, host, size, trips, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def prepare(s):
+    if options == "party":
+        sockets.tune(s)
+    elif options == "bbr":
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 def full(c, n):
     got = 0
     while got < n:
@@ -37,18 +48,20 @@ def full(c, n):
             raise SystemExit(0)
         got += len(chunk)
 if role == "server":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, 7777)); s.listen(1)
-    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); prepare(s)
+    s.bind((host, 7777)); s.listen(1)
+    c, _ = s.accept()
     while True:
         full(c, size); c.sendall(b"y" * size)
 deadline = time.monotonic() + 10
 while True:
+    c = socket.socket(); prepare(c)
     try:
-        c = socket.create_connection((host, 7777), timeout=10); break
+        c.connect((host, 7777)); break
     except OSError:
+        c.close()
         if time.monotonic() > deadline: raise
         time.sleep(0.05)
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 times = []
 for _ in range(trips):
     start = time.perf_counter(); c.sendall(b"x" * size); full(c, size); times.append(1e3 * (time.perf_counter() - start))
@@ -56,11 +69,13 @@ print(json.dumps(times))
 """
 
 
-def _probe(link: netns.WanLink, size: int, trips: int) -> list[float]:
-    link.popen(link.partner_ns, [sys.executable, "-c", PROBE, "server", PARTNER_ADDRESS, str(size), "0"])
+def _probe(link: netns.WanLink, size: int, trips: int, options: str = "none") -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    link.popen(link.partner_ns, [sys.executable, "-c", PROBE, "server", PARTNER_ADDRESS, str(size), "0", options],
+               env=env)
     run = subprocess.run(link.command(link.bank_ns, [sys.executable, "-c", PROBE, "client", PARTNER_ADDRESS,
-                                                     str(size), str(trips)]),
-                         capture_output=True, text=True, timeout=60)
+                                                     str(size), str(trips), options]),
+                         capture_output=True, text=True, timeout=60, env=env)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
@@ -102,6 +117,40 @@ def test_everything_is_removed_when_the_body_raises() -> None:
         raise RuntimeError("boom")
     assert sleeper.poll() is not None
     _gone(link)
+
+
+def _median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+@can_build
+def test_a_step_sized_exchange_takes_one_round_trip_with_the_party_socket_options() -> None:
+    """74 KB each way at 20 ms RTT: the party sockets' options give one round trip; BBR (where the kernel has
+    it) paces each message over a whole RTT and takes two. The first trips open the window."""
+    with emulated_link(20) as link:
+        party = _probe(link, 74_000, 16, "party")[6:]
+    assert _median(party) < 1.3 * 20, party
+    if "bbr" in Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split():
+        with emulated_link(20) as link:
+            bbr = _probe(link, 74_000, 16, "bbr")[6:]
+        assert _median(bbr) > 1.6 * 20, bbr  # the cause: if this fails, BBR no longer costs the extra RTT
+
+
+def test_party_sockets_have_their_options_before_they_connect() -> None:
+    name = sockets.congestion_control()
+    if sys.platform == "linux":
+        assert name in sockets.CONGESTION_PREFERENCE  # reno is always allowed
+    listener = bind_socket("127.0.0.1", 0)
+    listener.listen(1)
+    with listener, sockets.connect("127.0.0.1", listener.getsockname()[1], 5.0) as client:
+        server, _ = listener.accept()
+        with server:
+            for sock in (listener, client, server):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+                if name is not None:
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode() == name
+    assert dict(((level, option), value) for level, option, value in sockets.socket_options())[
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY)] == 1
 
 
 def test_without_privileges_it_refuses_with_what_to_do(tmp_path: Path) -> None:
