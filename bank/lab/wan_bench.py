@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from bank.config import TrainingConfig
 from bank.lab.bench import PARTNER_SEED
-from bank.lab.netns import BANK_ADDRESS, PARTNER_ADDRESS, WanLink, emulated_link
+from bank.lab.netns import BANK_ADDRESS, PARTNER_ADDRESS, WanLink, emulated_link, privilege_problem
 from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import ConfigError
@@ -170,6 +170,9 @@ def run_wan_bench(
     if epochs < 1 or rounds < 1:
         raise ConfigError(f"the bench needs at least one round of one epoch (got {rounds} of {epochs})")
     configs = _configs(epochs, batch_size, WAN_MODES if modes is None else modes)
+    problem = privilege_problem()
+    if problem:  # before the data is prepared (perhaps downloaded) for nothing
+        raise ConfigError(problem)
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = (usable[0], usable[1]) if len(usable) >= 2 else None
     seen: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
