@@ -163,6 +163,7 @@ def test_without_privileges_it_refuses_with_what_to_do(tmp_path: Path) -> None:
     assert privilege_problem(euid=0, capabilities=0, tun=tmp_path, tools=()) is None
     no_tun = privilege_problem(euid=0, capabilities=0, tun=tmp_path / "tun", tools=())
     assert no_tun is not None and "tun" in no_tun
+    assert privilege_problem(euid=0, capabilities=0, tun=tmp_path / "tun", tools=(), need_tun=False) is None  # netem
     no_ip = privilege_problem(euid=0, capabilities=0, tun=tmp_path, tools=("no-such-tool-cutlayer",))
     assert no_ip is not None and "no-such-tool-cutlayer" in no_ip
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -50,11 +49,12 @@ def _effective_capabilities() -> int:
 
 def privilege_problem(
     euid: int | None = None, capabilities: int | None = None, tun: Path = Path("/dev/net/tun"),
-    tools: tuple[str, ...] = ("ip", "tc"),
+    tools: tuple[str, ...] = ("ip", "tc"), need_tun: bool = True,
 ) -> str | None:
     """Why this process cannot build the emulated link, in an operator's words; ``None`` if it can.
 
-    ``euid`` and ``capabilities`` (the CapEff bit mask) default to this process's own."""
+    ``euid`` and ``capabilities`` (the CapEff bit mask) default to this process's own; ``need_tun``: the
+    link will be the userspace delay line (no netem)."""
     euid = os.geteuid() if euid is None else euid
     capabilities = _effective_capabilities() if capabilities is None else capabilities
     needed = (1 << _CAP_NET_ADMIN) | (1 << _CAP_SYS_ADMIN)
@@ -64,7 +64,7 @@ def privilege_problem(
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         return f"the WAN bench needs the {' and '.join(missing)} command (iproute2); install it"
-    if not tun.exists():
+    if need_tun and not tun.exists():
         return (f"the WAN bench needs {tun} for its userspace link (this kernel has no tc netem either); "
                 "create it (mknod /dev/net/tun c 10 200) or run where it exists")
     return None
@@ -158,15 +158,14 @@ def _start_delay_line(link: WanLink, taps: tuple[str, str], work: Path) -> subpr
             "--delay-ms", str(link.rtt_ms / 2), "--ready-file", str(ready)]
     if link.rate_mbit:
         argv += ["--rate-mbit", str(link.rate_mbit)]
-    log = open(work / "delay-line.log", "wb")  # noqa: SIM115 - the child holds it; closed with the folder
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    with open(work / "delay-line.log", "wb") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     link._processes.append(proc)
     deadline = time.monotonic() + 15
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise ConfigError(f"the delay line did not start: {(work / 'delay-line.log').read_text(errors='replace')}")
         time.sleep(0.02)
-    json.loads(ready.read_text())
     return proc
 
 
@@ -178,7 +177,7 @@ def emulated_link(
 
     ``congestion``: the namespaces' default TCP congestion control (``net.ipv4.tcp_congestion_control``);
     ``force``: "netem" or "delay line" instead of the first that works (tests)."""
-    problem = privilege_problem(tun=Path("/dev/net/tun") if force != "netem" else Path("/"))
+    problem = privilege_problem(need_tun=False)  # whether the delay line is needed is known further down
     if problem:
         raise ConfigError(problem)
     tag = f"{os.getpid()}-{next(_counter)}"
@@ -201,6 +200,9 @@ def emulated_link(
                         raise ConfigError(f"--congestion {congestion}: this kernel refuses it ({sysctl.stderr.strip()}); "
                                           f"it offers: {Path('/proc/sys/net/ipv4/tcp_available_congestion_control').read_text().strip()}")
             use_netem = force == "netem" or (force is None and netem_available(link.bank_ns))
+            problem = None if use_netem else privilege_problem()
+            if problem:
+                raise ConfigError(problem)
             devices = (f"clb{short}", f"clp{short}")
             if use_netem:
                 link.kind = "netem"
