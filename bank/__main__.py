@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -51,6 +52,43 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 LOCAL_STEPS_HELP = (f"batches per round trip, one update each at every party (default "
                     f"{default_of(TrainingConfig, 'local_steps')}: exact; K > 1 makes K times fewer round trips, "
                     "one round trip stale: see the README's 'Across a real network')")
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _non_negative_ms(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text} ms: a round-trip time is between 0 and 10000 ms")
+    return value
+
+
+def _positive_rate(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 100_000:
+        raise argparse.ArgumentTypeError(f"{text} Mbit/s: a rate is above 0 and at most 100000 Mbit/s")
+    return value
+
+
+def _auc(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a ROC AUC target is above 0 and at most 1")
+    return value
+
+
+def _congestion(text: str) -> str:
+    if not text.isascii() or not text.replace("_", "").isalnum() or len(text) > 15:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a congestion control name (e.g. cubic, reno, bbr)")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     b.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    wan = b.add_argument_group("across an emulated WAN (root only: the parties run in network namespaces of their own)")
+    wan.add_argument("--rtt-ms", type=_non_negative_ms, default=None,
+                     help="round-trip time of the link between bank and partner (default: loopback, no link)")
+    wan.add_argument("--rate-mbit", type=_positive_rate, default=None,
+                     help="the link's rate each way, Mbit/s (default: unlimited)")
+    wan.add_argument("--congestion", type=_congestion, default=None,
+                     help="the namespaces' default TCP congestion control, e.g. cubic, reno, bbr (default: the host's)")
+    wan.add_argument("--target-auc", type=_auc, default=None,
+                     help="report each mode's training seconds to this ROC AUC (default 0.930)")
     _add_log_level(b)
 
     pb = command(sub, "psi-bench", "run both PSI roles here over mutual TLS and report time, bytes and rates",

@@ -240,12 +240,32 @@ def privacy_study(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from bank.lab.bench import bench_json, format_bench, run_training_bench
 
+    if args.rtt_ms is not None or args.rate_mbit is not None:
+        return _wan_bench(args)
+    if args.congestion is not None or args.target_auc is not None:
+        raise ConfigError("--congestion and --target-auc belong to the WAN bench: give --rtt-ms (and --rate-mbit)")
     figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True),
                                  batch_size=args.batch_size, wire_precision=args.wire_precision)
     print(format_bench(figures))
     if args.json:
         args.json.write_text(bench_json(figures) + "\n")
+    return 0
+
+
+def _wan_bench(args: argparse.Namespace) -> int:
+    from bank.lab.wan_bench import DEFAULT_TARGET_AUC, format_wan_bench, run_wan_bench, wan_bench_json
+
+    if args.wire_precision is not None:
+        raise ConfigError("the WAN bench compares its modes (exact fp32 and int8) side by side: leave out "
+                          "--wire-precision")
+    figures = run_wan_bench(args.rtt_ms or 0.0, args.rate_mbit, args.congestion,
+                            args.target_auc if args.target_auc is not None else DEFAULT_TARGET_AUC,
+                            args.epochs, args.rows, args.cache_dir, rounds=args.rounds, batch_size=args.batch_size,
+                            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_wan_bench(figures))
+    if args.json:
+        args.json.write_text(wan_bench_json(figures) + "\n")
     return 0
 
 

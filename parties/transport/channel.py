@@ -25,6 +25,7 @@ import httptools
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol import http
+from parties.transport import sockets
 from parties.transport.tls import PeerIdentity, handshake_failure, peer_identity
 
 __all__ = ["Channel", "ChannelResponse"]
@@ -100,9 +101,8 @@ class Channel:
         self._closed = False
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        sock = sockets.connect(self.host, self.port, self.timeout)  # TCP_NODELAY, a loss-based congestion control
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.https:
                 assert self.context is not None
                 sock = self.context.wrap_socket(sock, server_hostname=self.host)

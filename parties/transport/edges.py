@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parties.errors import ConfigError
+from parties.transport import sockets
 from parties.transport.tls import peer_identity
 
 __all__ = [
@@ -61,10 +62,11 @@ def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
 
 def no_delay(transport: asyncio.BaseTransport) -> None:
     """Send small writes at once: uvicorn writes a response's head and body separately, and without
-    TCP_NODELAY the body waits for the client's delayed ACK (~40 ms) on every kept-alive request."""
+    TCP_NODELAY the body waits for the client's delayed ACK (~40 ms) on every kept-alive request.
+    Also a loss-based congestion control, as the client asks for its side (``parties.transport.sockets``)."""
     sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock is not None:
+        sockets.tune(sock)
 
 
 def handshake_refusal(exc: BaseException) -> str:
@@ -172,6 +174,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sockets.tune(sock)  # accepted connections start with its options (``no_delay`` sets them again)
     try:
         sock.bind((host, port))
     except OSError as exc:
