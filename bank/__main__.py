@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the namespaces' default TCP congestion control, e.g. cubic, reno, bbr (default: the host's)")
     wan.add_argument("--target-auc", type=_auc, default=None,
                      help="report each mode's training seconds to this ROC AUC (default 0.930)")
+    wan.add_argument("--modes", default=None, metavar="M1,M2",
+                     help="the training settings to compare, of exact, int8, efficient (default: all three)")
     _add_log_level(b)
 
     pb = command(sub, "psi-bench", "run both PSI roles here over mutual TLS and report time, bytes and rates",

@@ -242,8 +242,9 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.rtt_ms is not None or args.rate_mbit is not None:
         return _wan_bench(args)
-    if args.congestion is not None or args.target_auc is not None:
-        raise ConfigError("--congestion and --target-auc belong to the WAN bench: give --rtt-ms (and --rate-mbit)")
+    if args.congestion is not None or args.target_auc is not None or args.modes is not None:
+        raise ConfigError("--congestion, --target-auc and --modes belong to the WAN bench: give --rtt-ms "
+                          "(and --rate-mbit)")
     figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True),
                                  batch_size=args.batch_size, wire_precision=args.wire_precision)
@@ -254,14 +255,19 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _wan_bench(args: argparse.Namespace) -> int:
-    from bank.lab.wan_bench import DEFAULT_TARGET_AUC, format_wan_bench, run_wan_bench, wan_bench_json
+    from bank.lab.wan_bench import DEFAULT_TARGET_AUC, WAN_MODES, format_wan_bench, run_wan_bench, wan_bench_json
 
     if args.wire_precision is not None:
-        raise ConfigError("the WAN bench compares its modes (exact fp32 and int8) side by side: leave out "
-                          "--wire-precision")
+        raise ConfigError("the WAN bench compares its modes (exact, int8, efficient) side by side: leave out "
+                          "--wire-precision and choose them with --modes")
+    names = list(WAN_MODES) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in WAN_MODES]
+    if unknown or not names:
+        raise ConfigError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(WAN_MODES)}")
     figures = run_wan_bench(args.rtt_ms or 0.0, args.rate_mbit, args.congestion,
                             args.target_auc if args.target_auc is not None else DEFAULT_TARGET_AUC,
                             args.epochs, args.rows, args.cache_dir, rounds=args.rounds, batch_size=args.batch_size,
+                            modes={m: WAN_MODES[m] for m in names},
                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_wan_bench(figures))
     if args.json:

@@ -190,9 +190,12 @@ def test_bad_wan_flags_are_refused_at_the_command_line(capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--congestion", "cubic"], "--congestion and --target-auc belong to the WAN bench"),
+    (["--congestion", "cubic"], "--congestion, --target-auc and --modes belong to the WAN bench"),
+    (["--modes", "exact"], "--congestion, --target-auc and --modes belong to the WAN bench"),
     (["--rtt-ms", "20", "--wire-precision", "int8"], "leave out --wire-precision"),
-], ids=["congestion-without-link", "precision-on-link"])
+    (["--rtt-ms", "20", "--modes", "exact,fast"], "--modes: fast; choose from exact, int8, efficient"),
+    (["--rtt-ms", "20", "--modes", ","], "--modes: none given"),
+], ids=["congestion-without-link", "modes-without-link", "precision-on-link", "unknown-mode", "no-mode"])
 def test_wan_flags_that_do_not_go_together_are_one_line(capsys: pytest.CaptureFixture[str], flags: list[str],
                                                         message: str) -> None:
     with pytest.raises(SystemExit) as exit_:
