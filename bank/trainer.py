@@ -213,10 +213,8 @@ class Coordinator(Recovery):
     def _local_exchange(
         self, top: torch.nn.Module, optimizer: torch.optim.Optimizer, zs: list[torch.Tensor], group: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor], float]:
-        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought,
-        then ``reuse_steps`` more from the last two exchanges' batches (as every party does with its own:
-        ``parties.learning.bottom``). Returns every party's gradient for the whole exchange, in its
-        batches' order, and the mean loss."""
+        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought.
+        Returns every party's gradient for the whole exchange, in its batches' order, and the mean loss."""
         params = list(top.parameters())
         grads: list[list[torch.Tensor]] = [[] for _ in zs]
         losses, start = [], 0
@@ -232,12 +230,17 @@ class Coordinator(Recovery):
             if self.config.reuse_steps:
                 self.top_cache.append((rows, [leaf.detach() for leaf in leaves]))
             start += len(rows)
+        return [torch.cat(g) for g in grads], float(np.mean(losses))
+
+    def _reuse(self, top: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """``reuse_steps`` more top updates from the last two exchanges' batches, newest first (as every party
+        does with its own: ``parties.learning.bottom``)."""
+        params = list(top.parameters())
         for k in range(self.config.reuse_steps):
             rows, cached = self.top_cache[-1 - k % len(self.top_cache)]
             fast_path.backward(self._loss(top, cached, rows), inputs=params)
             fast_path.optimizer_step(optimizer)
             fast_path.clear_grads(params)
-        return [torch.cat(g) for g in grads], float(np.mean(losses))
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -319,13 +322,19 @@ class Coordinator(Recovery):
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
         top_params = list(top.parameters())
         unsaved = False  # a checkpoint is due for the last step
+        reuse_due = False  # local steps: the last exchange's reuse updates of the top have not run yet
 
         def finish_step() -> None:
             # The partners' gradients left first (see below). The rest of step t's backward (the top's
             # parameters, the bank's own embedding) and the top's optimiser step run while the partners
             # work on step t+1: still before the top's next forward, so the computation is unchanged.
             # So does a checkpoint of step t: ``loop`` still describes step t until t+1's answers arrive.
-            nonlocal unsaved
+            # Local steps' reuse updates of the top run here too, off the critical path, before the next
+            # exchange's updates and before a checkpoint of this one.
+            nonlocal unsaved, reuse_due
+            if reuse_due:
+                self._reuse(top, optimizer)
+                reuse_due = False
             if deferred:
                 loss, own = deferred.pop()
                 fast_path.backward(loss, inputs=[*top_params, own])
@@ -358,6 +367,7 @@ class Coordinator(Recovery):
                 else:
                     (mine, *theirs), mean_loss = self._local_exchange(top, optimizer, zs, group)
                     loop.losses.append(mean_loss)
+                    reuse_due = self.config.reuse_steps > 0
                 loop.grads = [mine] + [
                     perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,
                                      self.config.seed, loop.step, k)

@@ -15,7 +15,10 @@ al. 2022). With ``reuse`` = R it then makes R more updates from a cache of the
 last two steps' batches, newest first, each row's cached gradient weighted by
 the cosine of its embedding now and the one it answered, floored at 0 (the
 instance weighting of CELU-VFL, Fu et al., VLDB 2022): more learning per round
-trip, at the cost of compute alone. The cache is part of a checkpoint. In
+trip, at the cost of compute alone. Those R updates wait until ``settle``
+(a service calls it once its answer has left, off the bank's critical path),
+or the next step, whichever comes first; a checkpoint settles first. The cache
+is part of a checkpoint. In
 exact mode (the default) none of this runs: the model is the unsplit model's,
 bit for bit.
 
@@ -86,6 +89,7 @@ class BottomTrainer:
         # (rows, gradient, embedding answered) of the last two steps' batches: what reuse learns from.
         self._cache: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(
             maxlen=2 * self.local.steps if self.local else 1)
+        self._reuse_due = False  # the last step's reuse updates have not run yet (``settle``)
 
     @property
     def width(self) -> int:
@@ -144,6 +148,7 @@ class BottomTrainer:
                     self._probe = []
                 if self.monitor.alarm is not None:
                     raise HijackSuspected(self.monitor.alarm)
+            self._settle()
             if self._pending is not None:
                 if self.local_batch is None:
                     fast_path.clear_grads(self._params)
@@ -184,13 +189,29 @@ class BottomTrainer:
             self._update(part, part_grad)
         if self.local.reuse:
             self._cache.extend(parts)
-            for k in range(self.local.reuse):
-                part, part_grad, part_answered = self._cache[-1 - k % len(self._cache)]
-                self._update(part, part_grad, part_answered)
+            self._reuse_due = True
+
+    def settle(self) -> None:
+        """Run the last step's reuse updates now, if they are due (local steps with reuse)."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        if not self._reuse_due:
+            return
+        assert self.local is not None
+        for k in range(self.local.reuse):
+            part, part_grad, part_answered = self._cache[-1 - k % len(self._cache)]
+            self._update(part, part_grad, part_answered)
+        self._reuse_due = False
 
     def _update(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor | None = None) -> None:
         """An update from ``grad``, the gradient of ``rows``' embedding; with ``answered`` (reuse), each row
         weighted by the cosine of its embedding now and ``answered``, floored at 0."""
+        with torch.enable_grad():  # also when settling inside an evaluation's no_grad
+            self._apply(rows, grad, answered)
+
+    def _apply(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor | None) -> None:
         z = fast_path.forward(self.model, self.x.index_select(0, rows))
         if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
             z = self.dp.clipped(z)
@@ -214,6 +235,8 @@ class BottomTrainer:
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings for evaluation: no graph kept, no state changed."""
         self._check_rows(rows)
+        with self._lock:
+            self._settle()
         with self._lock, torch.no_grad():
             self.model.eval()
             z = self.model(self.x.index_select(0, rows))
@@ -226,6 +249,7 @@ class BottomTrainer:
     def mark_best(self) -> None:
         """Remember the current weights as the best so far (the bank judges by validation)."""
         with self._lock:
+            self._settle()
             if self._pending is not None:
                 raise OutOfOrder("flush the pending gradient before marking the best weights")
             self._best = copy.deepcopy(self.model.state_dict())
@@ -233,11 +257,14 @@ class BottomTrainer:
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything needed to continue exactly from here, as named tensors and JSON."""
         with self._lock:
+            self._settle()  # a restore continues from the settled weights, as the next step would
             tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
             optim, optim_meta = flatten_optimizer(self.optimizer, "optim")
             tensors |= optim
             if self._pending_index is not None:
                 tensors["pending.rows"] = self._pending_index.clone()
+                if self.local is not None:  # what it answered: reuse weighs rows by it, whatever the weights do
+                    tensors["pending.z"] = self._pending.detach().clone()
             if self._best is not None:
                 tensors |= {f"best.{k}": v.clone() for k, v in self._best.items()}
             last_step = None
@@ -272,20 +299,23 @@ class BottomTrainer:
                 self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
                 self.monitor.differences = list(meta["monitor"]["differences"])
             self._cache.clear()
+            self._reuse_due = False
             for i in range(meta.get("cached", 0)):
                 self._cache.append(tuple(checkpoint.tensors[f"cache.{i}.{name}"] for name in ("rows", "grad", "z")))
             best = checkpoint.section("best")
             self._best = best or None
             rows = checkpoint.tensors.get("pending.rows")
             self._pending, self._pending_index = None, None
-            if rows is not None:
+            if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
+                self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
+            elif rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
                 z = self.model(self.x.index_select(0, rows))
                 if self.dp is not None:
                     clipped = self.dp.clipped(z)
                     z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
-                self._pending, self._pending_index = (z, rows) if self.local is None else (z.detach(), rows)
+                self._pending, self._pending_index = z, rows
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:
