@@ -126,13 +126,9 @@ def step(request: HotRequest) -> HotResponse:
     z = session.trainer.step(request_.step, request_.grad, request_.rows)
     # The answer says which step this partner has on disk: the bank's retention counts on it.
     body = training.StepReply(session_id, request_.step, z, session.writer.durable, request_.precision).encode()
-    # Once the answer has gone, before the event loop reads the next request, off the bank's critical path:
-    # local steps' reuse updates, then (every party checkpoints after the same step) the snapshot.
-    def after() -> None:
-        session.trainer.settle()
-        if request_.checkpoint:
-            c.checkpoint(session_id, request_.keep_from)
-
+    # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
+    # the event loop reads the next request: the same state, off the bank's critical path.
+    after = (lambda: c.checkpoint(session_id, request_.keep_from)) if request_.checkpoint else None
     return HotResponse(body, SAFETENSORS, after=after)
 
 

@@ -127,7 +127,6 @@ class PartySession:
 
     def save(self, directory: Path) -> dict[str, str]:
         """Write this party's own model files; return ``{file name: sha256}``."""
-        self.trainer.settle()
         blobs = {
             "bottom.safetensors": save_tensors(
                 {k: v.contiguous() for k, v in self.trainer.model.state_dict().items()},
