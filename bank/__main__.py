@@ -52,6 +52,9 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 LOCAL_STEPS_HELP = (f"batches per round trip, one update each at every party (default "
                     f"{default_of(TrainingConfig, 'local_steps')}: exact; K > 1 makes K times fewer round trips, "
                     "one round trip stale: see the README's 'Across a real network')")
+REUSE_STEPS_HELP = (f"with --local-steps: R more updates per round trip at every party from the last two round "
+                    f"trips' batches (default {default_of(TrainingConfig, 'reuse_steps')}; the README's WAN setting: "
+                    "--local-steps 4 --reuse-steps 8 --wire-precision int8)")
 
 
 def _number(text: str) -> float:
@@ -141,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
                    help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
-    t.add_argument("--local-steps", type=int, default=None, metavar="K",
-                   help=LOCAL_STEPS_HELP)
+    t.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
+    t.add_argument("--reuse-steps", type=int, default=None, metavar="R", help=REUSE_STEPS_HELP)
     t.add_argument("--resume", metavar="SESSION", default=None,
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
@@ -260,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     w.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
+    w.add_argument("--reuse-steps", type=int, default=None, metavar="R", help=REUSE_STEPS_HELP)
     d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
     d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
     d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")

@@ -159,7 +159,8 @@ def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
     return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
                             batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit,
-                            wire_precision=args.wire_precision, local_steps=args.local_steps)
+                            wire_precision=args.wire_precision, local_steps=args.local_steps,
+                            reuse_steps=args.reuse_steps)
 
 
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
@@ -307,7 +308,7 @@ def walkthrough(args: argparse.Namespace) -> int:
     training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
                                 label_dp_epsilon=args.label_dp_epsilon, gradient_defense=args.gradient_defense,
                                 gradient_noise=args.gradient_noise, wire_precision=args.wire_precision,
-                                local_steps=args.local_steps)
+                                local_steps=args.local_steps, reuse_steps=args.reuse_steps)
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
         ("hijack_probe_every", args.hijack_probe_every)) if value is not None]

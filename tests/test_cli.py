@@ -198,3 +198,16 @@ def test_every_subcommand_help_opens_with_what_it_does() -> None:
     for prog, parser in _commands():
         if " " in prog:
             assert parser.description, f"{prog} --help has no description"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--reuse-steps", "3"], "error: invalid training settings: reuse_steps needs local_steps > 1"),
+    (["--local-steps", "0"], "error: invalid training settings: local_steps: Input should be greater than or equal to 1"),
+    (["--local-steps", "64", "--reuse-steps", "1"], "error: invalid training settings: local_steps: Input should be "
+                                                    "less than or equal to 32"),
+], ids=["reuse-without-local-steps", "zero-local-steps", "too-many-local-steps"])
+def test_impossible_local_steps_at_the_command_line_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: bank_cli.main(["walkthrough", "--no-download", "--cache-dir", str(tmp_path), *flags]))
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[0].startswith(message)
