@@ -346,8 +346,8 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
                 line += f"  mean score {figures['mean_score']:.3f} vs observed {figures['observed_rate']:.3f}"
             print(line)
     for name, comm in summary["communication"].items():
-        print(f"\n{name}: {comm['round_trips']} round trips, {comm['bytes_per_step'] / 1024:.1f} KiB per step "
-              f"(minimum {comm['minimum_bytes_per_step'] / 1024:.1f} KiB: embedding + gradient)")
+        print(f"\n{name}: {comm['round_trips']} round trips, {comm['bytes_per_step'] / 1024:.1f} KiB per training "
+              f"round trip (its embeddings and gradients at float32: {comm['minimum_bytes_per_step'] / 1024:.1f} KiB)")
     print("\nModel files (each party wrote its own):")
     for name, path in summary["model_files"].items():
         print(f"  {name:<10}{out / path}")
