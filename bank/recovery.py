@@ -10,7 +10,6 @@ from its own checkpoints.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ from parties.storage.checkpoint import (
 )
 
 if TYPE_CHECKING:
+    from bank.local_steps import LocalTop
     from bank.party import TrainingParty
 
 __all__ = ["Recovery"]
@@ -45,7 +45,7 @@ class Recovery:
     checkpoint_dir: Path | None
     writer: CheckpointWriter
     top: torch.nn.Module | None
-    top_cache: deque[tuple[torch.Tensor, list[torch.Tensor]]]
+    local_top: LocalTop
     widths: dict[str, int]
     rollbacks: int
 
@@ -72,10 +72,10 @@ class Recovery:
         tensors |= {f"grads.{i}": g for i, g in enumerate(loop.grads) if g is not None}
         if loop.best_top is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
-        for i, (rows, zs) in enumerate(self.top_cache):
+        for i, (rows, zs) in enumerate(self.local_top.cache):
             tensors |= {f"cache.{i}.rows": rows.clone()} | {f"cache.{i}.z{k}": z.clone() for k, z in enumerate(zs)}
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths,
-                "cached": len(self.top_cache)}
+                "cached": len(self.local_top.cache)}
         self.writer.submit(self.checkpoint_dir, loop.step - 1, tensors, meta, self._floor())
 
     def _checkpoint_steps(self) -> list[int]:
@@ -101,10 +101,10 @@ class Recovery:
         self.writer.reset(step)
         self.top.load_state_dict(checkpoint.section("top"))
         unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
-        self.top_cache.clear()
+        self.local_top.cache.clear()
         for i in range(checkpoint.meta.get("cached", 0)):
             cached = checkpoint.section(f"cache.{i}")
-            self.top_cache.append((cached["rows"], [cached[f"z{k}"] for k in range(len(self.parties))]))
+            self.local_top.cache.append((cached["rows"], [cached[f"z{k}"] for k in range(len(self.parties))]))
         grads = checkpoint.section("grads")
         restored = LoopState.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))])
         best = checkpoint.section("best_top")
@@ -118,7 +118,7 @@ class Recovery:
         assert self.top is not None
         logger.warning("session %s: %s; no step is checkpointed by every party: starting again from the start",
                        self.session_id, cause)
-        self.top_cache.clear()
+        self.local_top.cache.clear()
         top, fresh = self._start()
         self.top.load_state_dict(top.state_dict())
         optimizer.load_state_dict(fresh.state_dict())

@@ -13,7 +13,6 @@ import copy
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
 from bank.defenses import perturb_gradient, randomized_response
+from bank.local_steps import LocalTop
 from bank.party import TrainingParty
 from bank.recovery import Recovery
 from bank.schedule import Split, epoch_batches, split_rows
@@ -94,8 +94,7 @@ class Coordinator(Recovery):
         self.train_rows_sent = 0  # rows embedded for training (each also gets a gradient back)
         self.eval_rows_sent = 0  # rows embedded for evaluation
         self.audit = AuditRecord() if config.audit else None
-        # Reuse: (rows, every party's embedding) of the last two exchanges' batches, what the top learns from again.
-        self.top_cache: deque[tuple[torch.Tensor, list[torch.Tensor]]] = deque(maxlen=2 * config.local_steps)
+        self.local_top = LocalTop(config.local_steps, config.reuse_steps, self._loss)  # local steps (exact: unused)
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
         self.writer = CheckpointWriter()
         self.rollbacks = 0
@@ -210,38 +209,6 @@ class Coordinator(Recovery):
         outputs = fast_path.forward(top, self.aggregation.combine(leaves))
         return self.task.loss(outputs, self.train_targets.index_select(0, rows))
 
-    def _local_exchange(
-        self, top: torch.nn.Module, optimizer: torch.optim.Optimizer, zs: list[torch.Tensor], group: list[torch.Tensor],
-    ) -> tuple[list[torch.Tensor], float]:
-        """Local steps: one top update per batch of the exchange, on the embeddings the exchange brought.
-        Returns every party's gradient for the whole exchange, in its batches' order, and the mean loss."""
-        params = list(top.parameters())
-        grads: list[list[torch.Tensor]] = [[] for _ in zs]
-        losses, start = [], 0
-        for rows in group:
-            leaves = [z[start : start + len(rows)].detach().requires_grad_(True) for z in zs]
-            loss = self._loss(top, leaves, rows)
-            fast_path.backward(loss, inputs=[*params, *leaves])
-            fast_path.optimizer_step(optimizer)
-            fast_path.clear_grads(params)
-            for out, leaf in zip(grads, leaves):
-                out.append(leaf.grad)
-            losses.append(loss.item())
-            if self.config.reuse_steps:
-                self.top_cache.append((rows, [leaf.detach() for leaf in leaves]))
-            start += len(rows)
-        return [torch.cat(g) for g in grads], float(np.mean(losses))
-
-    def _reuse(self, top: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """``reuse_steps`` more top updates from the last two exchanges' batches, newest first (as every party
-        does with its own: ``parties.learning.bottom``)."""
-        params = list(top.parameters())
-        for k in range(self.config.reuse_steps):
-            rows, cached = self.top_cache[-1 - k % len(self.top_cache)]
-            fast_path.backward(self._loss(top, cached, rows), inputs=params)
-            fast_path.optimizer_step(optimizer)
-            fast_path.clear_grads(params)
-
     # --- the loop --------------------------------------------------------------------------
 
     def run(self, resume: bool = False) -> TrainingOutcome:
@@ -333,7 +300,7 @@ class Coordinator(Recovery):
             # exchange's updates and before a checkpoint of this one.
             nonlocal unsaved, reuse_due
             if reuse_due:
-                self._reuse(top, optimizer)
+                self.local_top.replay(top, optimizer)
                 reuse_due = False
             if deferred:
                 loss, own = deferred.pop()
@@ -365,7 +332,7 @@ class Coordinator(Recovery):
                     loop.losses.append(loss.item())
                     mine = None  # finish_step fills it in
                 else:
-                    (mine, *theirs), mean_loss = self._local_exchange(top, optimizer, zs, group)
+                    (mine, *theirs), mean_loss = self.local_top.exchange(top, optimizer, zs, group)
                     loop.losses.append(mean_loss)
                     reuse_due = self.config.reuse_steps > 0
                 loop.grads = [mine] + [
