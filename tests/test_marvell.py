@@ -1,0 +1,140 @@
+"""Marvell (Li et al., ICLR 2022): the solver, the noise it draws, and what it buys against the label attacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+
+from bank.defenses import GradientDefense, marvell_perturb, marvell_solve, symmetric_kl
+from bank.lab.attacks import cosine_scores, norm_scores
+
+# (‖ḡ₁ − ḡ₀‖², d, positive fraction, (v₀, v₁)): imbalanced like bank-full, balanced, spread-free, one-dimensional.
+CASES = {
+    "imbalanced": (1.0, 8, 0.12, (0.02, 0.2)),
+    "balanced": (3e-4, 16, 0.5, (1e-4, 5e-5)),
+    "no-spread": (2.0, 8, 0.1, (0.0, 0.0)),
+    "d=1": (1.0, 1, 0.3, (0.5, 0.1)),
+}
+
+
+def _independent_optimum(u2: float, d: int, p: float, power: float, v: tuple[float, float]) -> float:
+    """The same problem over the paper's four numbers, by a general solver from several starts."""
+    optimize = pytest.importorskip("scipy.optimize")
+    weights = np.array([1 - p, p, 1 - p, p])  # (along₀, along₁, rest₀, rest₁) -> power
+    within = {"type": "ineq", "fun": lambda x: power - weights @ x}
+    best = np.inf
+    for start in np.random.default_rng(0).dirichlet(np.ones(4), size=8):
+        found = optimize.minimize(lambda x: float(symmetric_kl(u2, d, v, x[:2], x[2:])), start * power / weights,
+                                  method="SLSQP", bounds=[(0, None)] * 4, constraints=[within],
+                                  options={"ftol": 1e-14, "maxiter": 1000})
+        if found.success and within["fun"](found.x) >= -1e-9 * power:
+            best = min(best, found.fun)
+    return best
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("s", [0.25, 4.0])
+def test_the_solver_spends_the_budget_and_finds_the_optimum(case: tuple, s: float) -> None:
+    u2, d, p, v = case
+    noise = marvell_solve(u2, d, p, s * u2, v)
+    assert noise.power(p) == pytest.approx(s * u2, rel=1e-9)  # the budget binds, and holds
+    assert min(noise.along + noise.rest) >= 0
+    assert noise.kl == pytest.approx(float(symmetric_kl(u2, d, v, noise.along, noise.rest)), rel=1e-9)
+    assert noise.kl <= _independent_optimum(u2, d, p, s * u2, v) * (1 + 1e-7)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_bound_falls_as_the_power_grows_and_no_power_is_no_noise(case: tuple) -> None:
+    u2, d, p, v = case
+    bounds = [marvell_solve(u2, d, p, s * u2, v).kl for s in (0.0, 0.01, 0.25, 1.0, 4.0, 16.0, 64.0)]
+    assert all(a > b for a, b in zip(bounds, bounds[1:])), bounds
+    silent = marvell_solve(u2, d, p, 0.0, v)
+    assert silent.along == (0.0, 0.0) and silent.rest == (0.0, 0.0)
+    tiny = marvell_solve(u2, d, p, 1e-9 * u2, v)
+    assert max(tiny.along + tiny.rest) <= 1e-9 * u2 / min(p, 1 - p)
+
+
+def _batch(n: int = 4000, d: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients as a partner sees them with BCE: positives few, larger, pointing the other way."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = (torch.rand(n, generator=gen) < 0.12).float()
+    direction = torch.randn(d, generator=gen)
+    scale = torch.where(labels == 1, -0.8, 0.1)[:, None]
+    grads = scale * direction * (1 + 0.3 * torch.rand(n, 1, generator=gen)) + 0.05 * torch.randn(n, d, generator=gen)
+    return grads, labels
+
+
+def test_the_noise_has_the_solved_covariance_per_class() -> None:
+    grads, labels = _batch(n=60_000)
+    perturbed, noise = marvell_perturb(grads, labels, 4.0, torch.Generator().manual_seed(1))
+    assert noise is not None
+    eta = (perturbed - grads).double()
+    pos = labels == 1
+    diff = grads[pos].double().mean(0) - grads[~pos].double().mean(0)
+    unit = diff / diff.norm()
+    for c, rows in ((0, ~pos), (1, pos)):
+        along = eta[rows] @ unit
+        rest = eta[rows] - along[:, None] * unit
+        assert float(along.var()) == pytest.approx(noise.along[c], rel=0.05)
+        assert float((rest**2).sum(1).mean()) == pytest.approx(noise.rest[c], rel=0.05, abs=1e-6 * float(diff @ diff))
+    p = float(pos.double().mean())
+    assert float((eta**2).sum(1).mean()) == pytest.approx(4.0 * float(diff @ diff), rel=0.05)  # the budget
+    assert noise.power(p) == pytest.approx(4.0 * float(diff @ diff), rel=1e-6)
+
+
+def test_a_batch_with_nothing_to_hide_comes_back_unchanged() -> None:
+    grads, labels = _batch(n=200)
+    for targets in (torch.zeros(200), torch.ones(200)):  # one class only
+        out, noise = marvell_perturb(grads, targets, 4.0, torch.Generator().manual_seed(0))
+        assert out is grads and noise is None
+    same = grads[:1].repeat(200, 1)  # both classes' mean gradients equal
+    out, noise = marvell_perturb(same, labels, 4.0, torch.Generator().manual_seed(0))
+    assert out is same and noise is None
+
+
+def test_marvell_defeats_the_norm_and_direction_attacks_as_the_power_grows() -> None:
+    grads, labels = _batch()
+    reference = grads[labels == 1][0]
+    leaks = {}
+    for s in (None, 1.0, 16.0):
+        g = grads if s is None else marvell_perturb(grads, labels, s, torch.Generator().manual_seed(0))[0]
+        leaks[s] = (roc_auc_score(labels, norm_scores(g.numpy())),
+                    roc_auc_score(labels, cosine_scores(g.numpy(), reference.numpy())))
+    assert min(leaks[None]) > 0.95
+    for attack in (0, 1):
+        assert abs(leaks[16.0][attack] - 0.5) < abs(leaks[1.0][attack] - 0.5) < abs(leaks[None][attack] - 0.5)
+    assert max(abs(a - 0.5) for a in leaks[16.0]) < 0.1
+
+
+def test_the_defense_is_reproducible_and_solves_per_batch() -> None:
+    grads, labels = _batch(n=512)
+    grads[256:] *= 5  # the second batch's gradients (a later top-model update) are larger
+    defense = GradientDefense("marvell", power=4.0, batch=256, seed=3)
+    once = defense(grads, labels, step=7, party=1)
+    assert torch.equal(once, GradientDefense("marvell", power=4.0, batch=256, seed=3)(grads, labels, 7, 1))
+    assert not torch.equal(once, defense(grads, labels, 8, 1)) and not torch.equal(once, defense(grads, labels, 7, 2))
+    # A round trip of two batches (local steps) is two solves, the first as if it travelled alone.
+    alone = GradientDefense("marvell", power=4.0, batch=256, seed=3)(grads[:256], labels[:256], 7, 1)
+    assert torch.equal(once[:256], alone)
+    whole = GradientDefense("marvell", power=4.0, batch=512, seed=3)(grads, labels, 7, 1)
+    assert not torch.equal(whole[:256], alone)
+    # It reports the larger of the two batches' bounds, once.
+    fresh = GradientDefense("marvell", power=4.0, batch=256, seed=3)
+    fresh(grads, labels, 7, 1)
+    bounds = [marvell_solve(u2, d, p, 4.0 * u2, v).kl for u2, d, p, v in (_stats(grads[:256], labels[:256]),
+                                                                         _stats(grads[256:], labels[256:]))]
+    assert fresh.pop_worst_kl(1) == pytest.approx(max(bounds), rel=1e-6) and fresh.pop_worst_kl(1) is None
+
+
+def _stats(grads: torch.Tensor, labels: torch.Tensor) -> tuple:
+    g, pos = grads.double(), labels == 1
+    m0, m1 = g[~pos].mean(0), g[pos].mean(0)
+    v = tuple(float(((g[r] - m) ** 2).sum(1).mean()) / g.shape[1] for r, m in ((~pos, m0), (pos, m1)))
+    return float((m1 - m0) @ (m1 - m0)), g.shape[1], float(pos.double().mean()), v
+
+
+def test_no_defense_sends_the_gradient_itself() -> None:
+    grads, labels = _batch(n=64)
+    assert GradientDefense("none", seed=1)(grads, None, 0, 1) is grads
