@@ -8,12 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig
 
-__all__ = ["AggregationName", "TaskKind", "TopConfig", "TrainingConfig"]
+__all__ = ["AggregationName", "GradientDefenseName", "TaskKind", "TopConfig", "TrainingConfig"]
 
 # Here rather than beside their torch code (bank/task.py, bank/aggregation.py): this module stays light
 # enough for the command line's --help to read its defaults.
 TaskKind = Literal["binary", "multiclass", "regression"]
 AggregationName = Literal["concat", "sum", "mean"]
+GradientDefenseName = Literal["none", "max_norm", "isotropic", "marvell"]
 
 
 class TopConfig(OptimizerConfig):
@@ -49,10 +50,14 @@ class TrainingConfig(BaseModel):
     label_dp_epsilon: float | None = Field(
         None, gt=0, description="randomized-response label DP: flip each training label once, with prob 1/(1+e^ε)"
     )
-    gradient_defense: Literal["none", "max_norm", "isotropic"] = Field(
+    gradient_defense: GradientDefenseName = Field(
         "none", description="perturb the gradients the partners receive (against label inference)"
     )
     gradient_noise: float = Field(1.0, ge=0, description="isotropic: noise std in units of the mean gradient norm")
+    marvell_power: float = Field(
+        4.0, gt=0, allow_inf_nan=False, description="marvell: the noise power s; per batch, the noise's mean "
+        "squared norm per row is at most s times the squared distance between the two classes' mean gradients",
+    )
     wire_precision: Literal["fp32", "fp16", "bf16", "int8"] = Field(
         "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
         "bit); fp16/bf16 halve the bytes, int8 (per-row scales) quarters them (parties/protocol/codec.py)",
@@ -78,9 +83,11 @@ class TrainingConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _label_dp_is_binary(self) -> TrainingConfig:
+    def _binary_only(self) -> TrainingConfig:
         if self.label_dp_epsilon is not None and self.task != "binary":
             raise ValueError("randomized-response label DP is implemented for binary tasks")
+        if self.gradient_defense == "marvell" and self.task != "binary":
+            raise ValueError("the marvell gradient defense is for binary tasks (it hides one class from the other)")
         return self
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ import torch
 
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
-from bank.defenses import perturb_gradient, randomized_response
+from bank.defenses import GradientDefense, randomized_response
 from bank.local_steps import LocalTop
 from bank.party import TrainingParty
 from bank.recovery import Recovery
@@ -88,6 +88,8 @@ class Coordinator(Recovery):
         self.train_targets = targets
         if config.label_dp_epsilon is not None:
             self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, config.seed)
+        self.defense = GradientDefense(config.gradient_defense, noise=config.gradient_noise, power=config.marvell_power,
+                                       batch=config.batch_size, seed=config.seed)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
         self.top: torch.nn.Module | None = None
@@ -335,11 +337,9 @@ class Coordinator(Recovery):
                     (mine, *theirs), mean_loss = self.local_top.exchange(top, optimizer, zs, group)
                     loop.losses.append(mean_loss)
                     reuse_due = self.config.reuse_steps > 0
-                loop.grads = [mine] + [
-                    perturb_gradient(g, self.config.gradient_defense, self.config.gradient_noise,
-                                     self.config.seed, loop.step, k)
-                    for k, g in enumerate(theirs, start=1)
-                ]
+                # Marvell hides the labels the loss saw: after label DP, if on.
+                labels = self.train_targets.index_select(0, rows) if self.defense.needs_labels else None
+                loop.grads = [mine] + [self.defense(g, labels, loop.step, k) for k, g in enumerate(theirs, start=1)]
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
                         self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)
@@ -366,10 +366,12 @@ class Coordinator(Recovery):
             if self.config.track_test:
                 row |= {f"test_{m}": v for m, v in self.evaluate(top, self.split.test)[0].items()}
             row["train_seconds"] = train_seconds
-            for p in self.parties[1:]:  # each partner's embedding-DP spend, as it reports it
+            for k, p in enumerate(self.parties[1:], start=1):  # each partner's embedding-DP spend, as it reports it
                 report = p.privacy()
                 if report.enabled:
                     row[f"epsilon_{p.name}"] = report.epsilon
+                if (kl := self.defense.pop_worst_kl(k)) is not None:  # Marvell's bound, on the epoch's worst batch
+                    row[f"marvell_kl_{p.name}"] = kl
             row["seconds"] = time.perf_counter() - epoch_start
             loop.history.append(row)
             logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",

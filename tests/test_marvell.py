@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 from sklearn.metrics import roc_auc_score
 
+from bank.config import TrainingConfig
 from bank.defenses import GradientDefense, marvell_perturb, marvell_solve, symmetric_kl
 from bank.lab.attacks import cosine_scores, norm_scores
+from bank.lab.audit import leakage_rows
+from data.prepare import prepare_bank_marketing
 
 # (‖ḡ₁ − ḡ₀‖², d, positive fraction, (v₀, v₁)): imbalanced like bank-full, balanced, spread-free, one-dimensional.
 CASES = {
@@ -138,3 +144,51 @@ def _stats(grads: torch.Tensor, labels: torch.Tensor) -> tuple:
 def test_no_defense_sends_the_gradient_itself() -> None:
     grads, labels = _batch(n=64)
     assert GradientDefense("none", seed=1)(grads, None, 0, 1) is grads
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"gradient_defense": "marvell", "marvell_power": 0.0}, "marvell_power"),
+    ({"gradient_defense": "marvell", "marvell_power": float("nan")}, "marvell_power"),
+    ({"gradient_defense": "marvell", "task": "regression"}, "binary"),
+], ids=["zero-power", "nan-power", "regression"])
+def test_impossible_marvell_settings_are_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        TrainingConfig(**settings)
+
+
+def _leaks(fed, training: TrainingConfig) -> tuple[dict[str, float], float, list[dict]]:
+    outcome = fed.coordinator(training).run()
+    assert outcome.audit is not None
+    grads = {k: v.numpy() for k, v in outcome.audit.tensors()["gradients-partner"].items()}
+    per_epoch = [r for r in leakage_rows("partner", grads, fed.targets.numpy()) if isinstance(r["epoch"], int)]
+    leak = {a: float(np.mean([r[f"{a}_leak_auc"] for r in per_epoch])) for a in ("norm", "direction")}
+    return leak, outcome.test_metrics["roc_auc"], outcome.history
+
+
+def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank_full: Path, tmp_path: Path) -> None:
+    from bank.lab.privacy_study import _Federation
+
+    fed = _Federation(prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False))
+    runs = {s: _leaks(fed, TrainingConfig(epochs=3, batch_size=128, audit=True, **(
+        {} if s is None else {"gradient_defense": "marvell", "marvell_power": s}))) for s in (None, 1.0, 16.0)}
+    (none, none_auc, plain), (one, one_auc, h1), (sixteen, sixteen_auc, h16) = runs.values()
+    assert min(none.values()) > 0.9
+    for attack in ("norm", "direction"):
+        assert abs(sixteen[attack] - 0.5) < abs(one[attack] - 0.5) < abs(none[attack] - 0.5) - 0.2
+        assert abs(sixteen[attack] - 0.5) < 0.1
+    assert none_auc > 0.85 and one_auc > none_auc - 0.05 and sixteen_auc > 0.7  # still a model
+    # Each epoch records its worst batch's bound; more power, a smaller bound.
+    assert "marvell_kl_partner" not in plain[0]
+    assert all(a["marvell_kl_partner"] > b["marvell_kl_partner"] for a, b in zip(h1, h16))
+
+
+def test_marvell_training_is_reproducible_with_local_steps(bank_full: Path, tmp_path: Path) -> None:
+    from bank.lab.privacy_study import _Federation
+
+    fed = _Federation(prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False))
+    config = TrainingConfig(epochs=1, batch_size=64, local_steps=2, max_steps=6, audit=True,
+                            gradient_defense="marvell", marvell_power=2.0)
+    runs = [fed.coordinator(config).run().audit.tensors()["gradients-partner"]["grads"] for _ in range(2)]
+    assert torch.equal(*runs)
+    plain = fed.coordinator(config.model_copy(update={"gradient_defense": "none"})).run()
+    assert not torch.equal(runs[0], plain.audit.tensors()["gradients-partner"]["grads"])
