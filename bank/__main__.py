@@ -7,9 +7,10 @@ import math
 import sys
 import textwrap
 from pathlib import Path
+from typing import get_args
 
 from bank import commands
-from bank.config import TopConfig, TrainingConfig
+from bank.config import GradientDefenseName, TopConfig, TrainingConfig
 from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
 from parties.learning.config import BottomConfig
 from parties.settings import BankSettings
@@ -55,6 +56,18 @@ LOCAL_STEPS_HELP = (f"batches per round trip, one update each at every party (de
 REUSE_STEPS_HELP = (f"with --local-steps: R more updates per round trip at every party from the last two round "
                     f"trips' batches (default {default_of(TrainingConfig, 'reuse_steps')}; the README's WAN setting: "
                     "--local-steps 4 --reuse-steps 8 --wire-precision int8)")
+
+
+def _add_gradient_defense_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--gradient-defense", choices=get_args(GradientDefenseName), default=None,
+                        help=f"bank: perturb the gradients partners receive (default "
+                             f"{default_of(TrainingConfig, 'gradient_defense')}; marvell: class-dependent noise "
+                             "that minimises a bound on label leakage, Li et al. 2022)")
+    parser.add_argument("--gradient-noise", type=float, default=None, help="bank: isotropic noise scale")
+    parser.add_argument("--marvell-power", type=float, default=None, metavar="S",
+                        help=f"bank, with --gradient-defense marvell: the noise power, in units of the squared "
+                             f"distance between the classes' mean gradients (default "
+                             f"{default_of(TrainingConfig, 'marvell_power')}; more: less leakage, slower learning)")
 
 
 def _number(text: str) -> float:
@@ -146,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     t.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
     t.add_argument("--reuse-steps", type=int, default=None, metavar="R", help=REUSE_STEPS_HELP)
+    _add_gradient_defense_arguments(t)
     t.add_argument("--resume", metavar="SESSION", default=None,
                    help="continue a session from the latest step every party checkpointed (after the bank stopped)")
     _add_log_level(t)
@@ -270,9 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-budget", type=float, default=None, help="partners: refuse releases past this ε")
     d.add_argument("--hijack-probe-every", type=int, default=None, help="partners: hijack monitor probe interval")
     d.add_argument("--label-dp-epsilon", type=float, default=None, help="bank: randomized-response label DP ε")
-    d.add_argument("--gradient-defense", choices=["none", "max_norm", "isotropic"], default=None,
-                   help="bank: perturb the gradients partners receive")
-    d.add_argument("--gradient-noise", type=float, default=None, help="bank: isotropic noise scale")
+    _add_gradient_defense_arguments(d)
     _add_log_level(w)
     return parser
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -157,10 +158,27 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
 
 def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
-    return _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
-                            batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed, audit=args.audit,
-                            wire_precision=args.wire_precision, local_steps=args.local_steps,
-                            reuse_steps=args.reuse_steps)
+    config = _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
+                              batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed,
+                              audit=args.audit, wire_precision=args.wire_precision, local_steps=args.local_steps,
+                              reuse_steps=args.reuse_steps, **_gradient_defense(args))
+    return _knob_applies(args, config)
+
+
+def _gradient_defense(args: argparse.Namespace) -> dict[str, object]:
+    """The gradient defense's flags as training settings; a power the solver cannot use is refused by its flag."""
+    power = args.marvell_power
+    if power is not None and not (math.isfinite(power) and power > 0):
+        raise ConfigError(f"--marvell-power {power:g}: the noise power is a number above 0 (e.g. 4)")
+    return {"gradient_defense": args.gradient_defense, "gradient_noise": args.gradient_noise, "marvell_power": power}
+
+
+def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingConfig:
+    """Refuse a defense's knob given for another defense: it would change nothing, silently."""
+    if args.marvell_power is not None and config.gradient_defense != "marvell":
+        raise ConfigError(f"--marvell-power sets the power of --gradient-defense marvell, not of "
+                          f"{config.gradient_defense}: give --gradient-defense marvell too, or drop it")
+    return config
 
 
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
@@ -306,9 +324,9 @@ def walkthrough(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
-                                label_dp_epsilon=args.label_dp_epsilon, gradient_defense=args.gradient_defense,
-                                gradient_noise=args.gradient_noise, wire_precision=args.wire_precision,
-                                local_steps=args.local_steps, reuse_steps=args.reuse_steps)
+                                label_dp_epsilon=args.label_dp_epsilon, wire_precision=args.wire_precision,
+                                local_steps=args.local_steps, reuse_steps=args.reuse_steps, **_gradient_defense(args))
+    training = _knob_applies(args, training)
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
         ("hijack_probe_every", args.hijack_probe_every)) if value is not None]

@@ -97,6 +97,8 @@ MODEL_DEFAULTS = {
     ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
     ("bank walkthrough", "--epochs"): _field(TrainingConfig, "epochs"),
+    **{(f"bank {command}", flag): _field(TrainingConfig, field) for command in ("train", "walkthrough")
+       for flag, field in (("--gradient-defense", "gradient_defense"), ("--marvell-power", "marvell_power"))},
     **{(f"{role} serve", flag): _field(ServiceSettings, field) for role in ("bank", "partner")
        for flag, field in (("--host", "host"), ("--port", "port"),
                            ("--torch-threads", "torch_threads"), ("--min-intersection", "min_intersection"))},
@@ -211,3 +213,27 @@ def test_impossible_local_steps_at_the_command_line_are_one_line(tmp_path: Path,
     with pytest.raises(SystemExit) as exit_:
         run_cli(lambda: bank_cli.main(["walkthrough", "--no-download", "--cache-dir", str(tmp_path), *flags]))
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[0].startswith(message)
+
+
+@pytest.mark.parametrize("command", ["train", "walkthrough"])
+@pytest.mark.parametrize("flags, message", [
+    (["--gradient-defense", "marvell", "--marvell-power", "0"],
+     "error: --marvell-power 0: the noise power is a number above 0 (e.g. 4)"),
+    (["--gradient-defense", "marvell", "--marvell-power", "inf"],
+     "error: --marvell-power inf: the noise power is a number above 0 (e.g. 4)"),
+    (["--gradient-defense", "isotropic", "--marvell-power", "2"],
+     "error: --marvell-power sets the power of --gradient-defense marvell, not of isotropic: give "
+     "--gradient-defense marvell too, or drop it"),
+], ids=["zero", "infinite", "other-defense"])
+def test_an_impossible_marvell_power_is_one_line_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str], message: str,
+) -> None:
+    where = ["--print-config"] if command == "train" else ["--no-download", "--cache-dir", str(tmp_path)]
+    code, _, err = _bank([command, *where, *flags], capsys)
+    assert code == 2 and err.strip().splitlines() == [message]
+
+
+def test_train_takes_the_gradient_defense_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _bank(["train", "--print-config", "--gradient-defense", "marvell", "--marvell-power", "2"], capsys)
+    shown = json.loads(out)
+    assert code == 0 and (shown["gradient_defense"], shown["marvell_power"]) == ("marvell", 2.0)
