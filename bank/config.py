@@ -54,6 +54,9 @@ class TrainingConfig(BaseModel):
         "none", description="perturb the gradients the partners receive (against label inference)"
     )
     gradient_noise: float = Field(1.0, ge=0, description="isotropic: noise std in units of the mean gradient norm")
+    # 4 by measurement (bank-full, 8000 rows, 8 epochs, seeds 0-2): the per-epoch norm and direction leak AUCs
+    # fall from 0.97 and 1.0 to 0.53 and 0.57 for 0.016 of test ROC-AUC; s = 1 leaves 0.61 and 0.63, and s = 16
+    # costs 0.04. Per-step noise averages out across epochs: the row-mean attacks still reach 0.66 and 0.78.
     marvell_power: float = Field(
         4.0, gt=0, allow_inf_nan=False, description="marvell: the noise power s; per batch, the noise's mean "
         "squared norm per row is at most s times the squared distance between the two classes' mean gradients",
