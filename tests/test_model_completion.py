@@ -1,0 +1,135 @@
+"""Model completion (Fu et al., USENIX Security 2022): the partner fine-tunes its trained bottom on a few labels.
+
+The synthetic task is one a partner cannot learn from 50 labels alone (an interaction of its
+columns) but its bottom learns from the bank's gradients: there the collaboration's share of the
+leak is large, and a broken attack (a fresh bottom, the known rows scored, the baseline on other
+rows) shows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bank.lab import audit
+from bank.lab.attacks import completion_scores
+from bank.lab.audit import completion_leakage, draw_known
+from parties.learning.bottom import BottomTrainer
+from parties.learning.model import BottomConfig, build_bottom, mlp
+
+CONFIG = BottomConfig(hidden=(32,), cut_width=8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> tuple[np.ndarray, np.ndarray]:
+    """Partner columns and labels that depend on them only through products of pairs (about 20% positive)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3000, 12)).astype(np.float32)
+    y = (x[:, 0] * x[:, 1] + x[:, 2] * x[:, 3] > 1.0).astype(np.float64)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def trained(synthetic: tuple[np.ndarray, np.ndarray]) -> nn.Module:
+    """The partner's bottom after split training: the step protocol, with the bank's top and labels computing
+    the gradient of each embedding."""
+    x, y = synthetic
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend on a shared machine
+    try:
+        return _split_training(x, y)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _split_training(x: np.ndarray, y: np.ndarray) -> nn.Module:
+    trainer = BottomTrainer(x, CONFIG)
+    top = mlp(CONFIG.cut_width, (), 1, activate_output=False, seed=0)  # the bank's top, seeded
+    optimizer = torch.optim.Adam(top.parameters(), lr=1e-2)
+    targets = torch.from_numpy(y).float()[:, None]
+    generator = torch.Generator().manual_seed(0)
+    step, grad = 0, None
+    for _ in range(30):
+        for rows in torch.randperm(len(x), generator=generator).split(128):
+            z = trainer.step(step, grad, rows).requires_grad_()
+            optimizer.zero_grad()
+            F.binary_cross_entropy_with_logits(top(z), targets[rows]).backward()
+            optimizer.step()
+            step, grad = step + 1, z.grad
+    trainer.step(step, grad, None)
+    return trainer.model
+
+
+def test_the_trained_bottom_gives_away_what_50_labels_alone_do_not(
+        synthetic: tuple[np.ndarray, np.ndarray], trained: nn.Module) -> None:
+    x, y = synthetic
+    leak = completion_leakage(trained, CONFIG, x, y, known=50, draws=3)
+    assert leak["model_completion_leak_auc"] > 0.9
+    assert leak["from_scratch_leak_auc"] < 0.7
+    assert leak["model_completion_advantage"] == pytest.approx(
+        leak["model_completion_leak_auc"] - leak["from_scratch_leak_auc"])
+    assert leak["model_completion_advantage"] > 0.3
+    assert leak["known_labels"] == 50 and leak["completion_draws"] == 3
+    assert all(leak[f"{c}_std"] >= 0 for c in ("model_completion_leak_auc", "from_scratch_leak_auc"))
+
+
+def test_the_attack_leaves_the_partners_bottom_alone_and_scores_only_the_other_rows(
+        synthetic: tuple[np.ndarray, np.ndarray], trained: nn.Module) -> None:
+    x, y = synthetic
+    before = {k: v.clone() for k, v in trained.state_dict().items()}
+    known = draw_known(y, 50, seed=0)
+    others, scores = completion_scores(trained, x, known, y[known], seed=0)
+    assert all(torch.equal(before[k], v) for k, v in trained.state_dict().items())
+    assert len(others) == len(x) - 50 and len(scores) == len(others)
+    assert not np.isin(known, others).any() and np.array_equal(np.union1d(others, known), np.arange(len(x)))
+    assert np.all(np.diff(others) > 0) and np.isfinite(scores).all()
+    with pytest.raises(ValueError, match="distinct"):
+        completion_scores(trained, x, np.array([1, 1, 2]), np.array([0, 0, 1]))
+
+
+def test_the_baseline_is_a_fresh_bottom_fine_tuned_on_the_same_known_rows(
+        synthetic: tuple[np.ndarray, np.ndarray], trained: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = synthetic
+    calls: list[tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray, int]] = []
+
+    def recording(bottom: nn.Module, features: np.ndarray, known: np.ndarray, labels: np.ndarray, **kw):
+        calls.append(({k: v.clone() for k, v in bottom.state_dict().items()}, known.copy(), labels.copy(), kw["seed"]))
+        return completion_scores(bottom, features, known, labels, **kw)
+
+    monkeypatch.setattr(audit, "completion_scores", recording)
+    completion_leakage(trained, CONFIG, x, y, known=40, draws=2, seed=7)
+    assert len(calls) == 4
+    fresh = build_bottom(x.shape[1], CONFIG).state_dict()
+    for (attack, baseline) in (calls[0:2], calls[2:4]):
+        assert all(torch.equal(attack[0][k], v) for k, v in trained.state_dict().items())
+        assert all(torch.equal(baseline[0][k], v) for k, v in fresh.items())  # the partner's initial weights
+        assert np.array_equal(attack[1], baseline[1]) and np.array_equal(attack[2], baseline[2])
+        assert attack[3] == baseline[3]
+    assert not np.array_equal(calls[0][1], calls[2][1])  # each draw its own known rows
+    assert [c[3] for c in calls] == [7, 7, 8, 8]
+
+
+def test_the_same_seed_gives_the_same_leak_and_another_seed_other_rows(
+        synthetic: tuple[np.ndarray, np.ndarray], trained: nn.Module) -> None:
+    x, y = synthetic
+    first = completion_leakage(trained, CONFIG, x, y, known=50, draws=2, seed=0)
+    assert completion_leakage(trained, CONFIG, x, y, known=50, draws=2, seed=0) == first
+    assert completion_leakage(trained, CONFIG, x, y, known=50, draws=2, seed=5) != first
+
+
+def test_known_rows_are_seeded_distinct_and_hold_both_classes() -> None:
+    labels = np.zeros(1000)
+    labels[:5] = 1  # 0.5% positive: most uniform draws of 20 hold none
+    for seed in range(20):
+        known = draw_known(labels, 20, seed)
+        assert len(np.unique(known)) == 20 and 0 < labels[known].sum() < 20
+        assert np.array_equal(known, draw_known(labels, 20, seed))
+    assert not np.array_equal(draw_known(labels, 20, 0), draw_known(labels, 20, 1))
+    with pytest.raises(ValueError, match="both classes"):
+        draw_known(np.zeros(100), 10, 0)
+    with pytest.raises(ValueError):
+        draw_known(labels, 1, 0)
+
