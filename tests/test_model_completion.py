@@ -8,15 +8,20 @@ rows) shows.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bank.config import TrainingConfig
 from bank.lab import audit
 from bank.lab.attacks import completion_scores
 from bank.lab.audit import completion_leakage, draw_known
+from data.prepare import prepare_bank_marketing
 from parties.learning.bottom import BottomTrainer
 from parties.learning.model import BottomConfig, build_bottom, mlp
 
@@ -132,4 +137,31 @@ def test_known_rows_are_seeded_distinct_and_hold_both_classes() -> None:
         draw_known(np.zeros(100), 10, 0)
     with pytest.raises(ValueError):
         draw_known(labels, 1, 0)
+
+
+MEASURED = {
+    "test_roc_auc", "norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
+    "cross_epoch_direction_leak_auc", "model_completion_leak_auc", "model_completion_leak_auc_std",
+    "from_scratch_leak_auc", "from_scratch_leak_auc_std", "model_completion_advantage",
+    "model_completion_advantage_std", "known_labels", "completion_draws", "strongest_label_leak_auc",
+    "strongest_label_attack", "inversion_r2_advantage", "partner_epsilon", "label_dp_epsilon",
+}
+
+
+def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(bank_full: Path, tmp_path: Path) -> None:
+    from bank.lab.privacy_study import LABEL_ATTACKS, Federation, measure
+    from parties.learning.embedding_dp import PrivacyConfig
+
+    fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=2500, cache=bank_full.parent, download=False))
+    bottom = BottomConfig(hidden=(8,), cut_width=4, seed=2)
+    row = measure(fed, TrainingConfig(epochs=3, batch_size=256, label_dp_epsilon=3.0),
+                  PrivacyConfig(clip=1.0, noise=0.5), bottom, known_labels=30, draws=2)
+    assert set(row) == MEASURED
+    assert row["known_labels"] == 30 and row["completion_draws"] == 2
+    assert row["strongest_label_leak_auc"] == max(row[c] for c in LABEL_ATTACKS)
+    assert row[f"{row['strongest_label_attack']}_leak_auc"] == row["strongest_label_leak_auc"]
+    assert row["model_completion_advantage"] == pytest.approx(
+        row["model_completion_leak_auc"] - row["from_scratch_leak_auc"])
+    assert 0.5 < row["test_roc_auc"] <= 1 and 0.5 < row["from_scratch_leak_auc"] <= 1  # its columns predict
+    assert math.isfinite(row["partner_epsilon"]) and row["label_dp_epsilon"] == 3.0
 
