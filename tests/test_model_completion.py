@@ -165,3 +165,14 @@ def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
     assert 0.5 < row["test_roc_auc"] <= 1 and 0.5 < row["from_scratch_leak_auc"] <= 1  # its columns predict
     assert math.isfinite(row["partner_epsilon"]) and row["label_dp_epsilon"] == 3.0
 
+
+def test_the_privacy_study_command_takes_the_number_of_known_labels(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bank.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["privacy-study", "--out", str(tmp_path)]).known_labels == 50
+    assert parser.parse_args(["privacy-study", "--out", str(tmp_path), "--known-labels", "200"]).known_labels == 200
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["privacy-study", "--out", str(tmp_path), "--known-labels", "1"])
+    assert exit_.value.code == 2 and "at least 2 known labels" in capsys.readouterr().err
