@@ -148,15 +148,30 @@ MEASURED = {
 }
 
 
-def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(bank_full: Path, tmp_path: Path) -> None:
+def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
+        bank_full: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bank.lab import privacy_study
     from bank.lab.privacy_study import LABEL_ATTACKS, Federation, measure
     from parties.learning.embedding_dp import PrivacyConfig
 
+    attacked: list[tuple[nn.Module, BottomConfig, np.ndarray]] = []
+
+    def recording(trained: nn.Module, config: BottomConfig, features: np.ndarray, labels: np.ndarray, **kw):
+        attacked.append((trained, config, features))
+        return completion_leakage(trained, config, features, labels, **kw)
+
+    monkeypatch.setattr(privacy_study, "completion_leakage", recording)
     fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=2500, cache=bank_full.parent, download=False))
     bottom = BottomConfig(hidden=(8,), cut_width=4, seed=2)
     row = measure(fed, TrainingConfig(epochs=3, batch_size=256, label_dp_epsilon=3.0),
                   PrivacyConfig(clip=1.0, noise=0.5), bottom, known_labels=30, draws=2)
     assert set(row) == MEASURED
+    # The partner's trained bottom of the sweep's configuration, on its training rows (80% of the aligned).
+    ((trained, config, features),) = attacked
+    assert config == bottom and trained[-2].out_features == 4 and trained[0].out_features == 8
+    assert len(features) == pytest.approx(0.8 * len(fed.targets), abs=2)
+    assert not all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(),
+                                                       build_bottom(features.shape[1], bottom).state_dict().values()))
     assert row["known_labels"] == 30 and row["completion_draws"] == 2
     assert row["strongest_label_leak_auc"] == max(row[c] for c in LABEL_ATTACKS)
     assert row[f"{row['strongest_label_attack']}_leak_auc"] == row["strongest_label_leak_auc"]
