@@ -101,6 +101,16 @@ def _auc(text: str) -> float:
     return value
 
 
+def _known_labels(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"{count}: model completion needs at least 2 known labels, one of each class")
+    return count
+
+
 def _congestion(text: str) -> str:
     if not text.isascii() or not text.replace("_", "").isalnum() or len(text) > 15:
         raise argparse.ArgumentTypeError(f"{text!r} is not a congestion control name (e.g. cubic, reno, bbr)")
@@ -206,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
     ps.add_argument("--epochs", type=int, default=10, help="epochs per setting (default %(default)s)")
+    ps.add_argument("--known-labels", type=_known_labels, default=50, metavar="N",
+                    help="model completion: training rows whose labels the partner has learned (default %(default)s)")
     ps.add_argument("--hijack-runs", type=int, default=5,
                     help="honest and hijacking runs each, for the monitor's rates (default %(default)s)")
     ps.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)

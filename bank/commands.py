@@ -247,7 +247,7 @@ def privacy_study(args: argparse.Namespace) -> int:
     from bank.lab.privacy_study import hijack_rates, run_study
 
     table = run_study(args.out, rows=args.rows, epochs=args.epochs, cache=args.cache_dir,
-                      progress=lambda name: print(f"... {name}", file=sys.stderr))
+                      known_labels=args.known_labels, progress=lambda name: print(f"... {name}", file=sys.stderr))
     rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
     print(table.to_string(index=False))
     print()

@@ -21,7 +21,8 @@ import pandas as pd
 import pytest
 
 from bank.lab.analysis import load_run
-from bank.lab.audit import label_leakage
+from bank.lab.audit import label_leakage, model_completion
+from parties.errors import DataError
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 
@@ -104,6 +105,23 @@ def test_a_moved_run_folder_is_read_from_where_it_now_lies(
     assert len(label_leakage(run)) == 5  # the audit reads the moved folder's files
 
 
+def test_model_completion_reads_the_partners_own_model_files(audited_run: Path, tmp_path: Path) -> None:
+    run = load_run(audited_run)
+    table = model_completion(run, known=50, draws=2)
+    assert list(table["partner"]) == ["partner"]
+    row = table.iloc[0]
+    assert row["model_completion_leak_auc"] > 0.7 and row["from_scratch_leak_auc"] > 0.5  # its columns predict
+    assert row["model_completion_advantage"] == pytest.approx(
+        row["model_completion_leak_auc"] - row["from_scratch_leak_auc"])
+    assert model_completion(run, known=50, draws=2).equals(table)  # seeded
+    copy = tmp_path / "run"
+    shutil.copytree(audited_run, copy)
+    weights = load_run(copy).model_dir("partner") / "bottom.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(DataError, match="bottom.safetensors"):
+        model_completion(load_run(copy))
+
+
 def test_the_notebook_executes_and_writes_its_tables_and_figures(
         executed: nbformat.NotebookNode, audited_run: Path) -> None:
     study = audited_run / "privacy"
@@ -149,6 +167,10 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
 
     privacy = pd.read_csv(study / "privacy_study.csv").set_index("setting")
     assert len(privacy) == 8 and (audited_run / "privacy" / "privacy_tradeoff.png").stat().st_size > 10_000
+    attacks = ["norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc", "cross_epoch_direction_leak_auc",
+               "model_completion_leak_auc"]
+    assert (privacy["strongest_label_leak_auc"] == privacy[attacks].max(axis=1)).all()
+    assert (privacy["from_scratch_leak_auc"] > 0.6).all()  # the partner's own columns predict the label
     # Each defence does what it is for, at some price.
     assert privacy.loc["max-norm gradients", "norm_leak_auc"] < privacy.loc["no defense", "norm_leak_auc"] - 0.2
     assert privacy.loc["label DP (RR, ε=1)", "direction_leak_auc"] < privacy.loc["no defense", "direction_leak_auc"] - 0.1

@@ -6,6 +6,10 @@ Two directions, both measured on an audited run (``TrainingConfig.audit``):
   the gradients it received into scores; the leak AUC is the ROC-AUC of a
   score against the true label (0.5: nothing leaks). Per epoch, and across
   epochs after averaging each row's gradients (per-step noise averages out).
+  After training, model completion: the partner fine-tunes its own trained
+  bottom with a head on a few labels it learned, and scores the other rows.
+  Its columns predict the label by themselves, so that AUC is set beside the
+  same recipe from a fresh bottom (0.5 is not its floor; the baseline is).
 * **Features, at the bank.** An inversion probe: with auxiliary rows whose
   partner features it knows, could the bank decode those features from the
   embeddings it received? Reported per feature as R² over what the bank's own
@@ -27,14 +31,26 @@ from safetensors.numpy import load_file
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import r2_score, roc_auc_score
 from sklearn.neural_network import MLPRegressor
+from torch import nn
 
 from bank.lab.analysis import Run
-from bank.lab.attacks import cosine_scores, mean_by_row, norm_scores
+from bank.lab.attacks import (
+    CompletionConfig,
+    completion_scores,
+    cosine_scores,
+    mean_by_row,
+    norm_scores,
+)
 from bank.lab.references import joined_features
 from parties.errors import DataError
+from parties.learning.model import BottomConfig, build_bottom
+from parties.learning.trained_bottom import ScoringBottom
 from parties.tables.encoding import TabularEncoder
 
-__all__ = ["inversion_probe", "inversion_rows", "label_leakage", "leakage_rows"]
+__all__ = [
+    "completion_leakage", "draw_known", "inversion_probe", "inversion_rows", "label_leakage", "leakage_rows",
+    "load_bottom", "model_completion",
+]
 
 
 def _leak_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -76,6 +92,86 @@ def label_leakage(run: Run, partition: Path | None = None) -> pd.DataFrame:
     """Leak AUC of the norm and direction attacks, per partner and epoch, and across epochs."""
     _, targets, _ = joined_features(run, partition)
     return pd.DataFrame([r for partner in run.partners for r in leakage_rows(partner, _gradients(run, partner), targets)])
+
+
+def draw_known(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """``count`` distinct positions of ``labels``, drawn uniformly (seeded) and redrawn until both classes are in.
+
+    The rows whose labels a partner has learned (model completion's known rows); sorted.
+    """
+    labels = np.asarray(labels)
+    if not 2 <= count < len(labels) or not 0 < labels.sum() < len(labels):
+        raise ValueError(f"cannot draw {count} known rows with both classes from {len(labels)} rows "
+                         f"({int(labels.sum())} positive)")
+    rng = np.random.default_rng(seed)
+    for _ in range(10_000):
+        known = np.sort(rng.choice(len(labels), size=count, replace=False))
+        if 0 < labels[known].sum() < count:
+            return known
+    raise ValueError(f"{count} known rows drawn 10000 times never held both classes")
+
+
+def completion_leakage(
+    trained: nn.Module, config: BottomConfig, features: np.ndarray, labels: np.ndarray, *, known: int = 50,
+    draws: int = 5, seed: int = 0, recipe: CompletionConfig = CompletionConfig(),
+) -> dict[str, float]:
+    """Model completion's leak AUC, its from-scratch baseline, and what the collaboration added.
+
+    ``trained``: the partner's trained bottom; ``config``: its bottom configuration (the baseline is
+    ``build_bottom`` of it: the very weights the partner started from); ``features``, ``labels``: the
+    partner's encoded columns and the true labels of its training rows. For each of ``draws`` draws
+    (seeds ``seed``, ``seed + 1``, ...) of ``known`` rows, both the trained and the fresh bottom are
+    fine-tuned on the same rows by the same recipe and score every other row.
+
+    The partner's own columns predict the label by themselves: with the same labels it could reach
+    ``from_scratch_leak_auc`` without any split training. ``model_completion_advantage`` (the paired
+    difference, trained minus fresh) is what the trained bottom, i.e. the collaboration, gave away.
+    Each figure is a mean over the draws; ``_std`` is its spread (sample standard deviation).
+    """
+    labels = np.asarray(labels)
+    fresh = build_bottom(features.shape[1], config)
+    aucs: dict[str, list[float]] = {"model_completion_leak_auc": [], "from_scratch_leak_auc": []}
+    for draw in range(seed, seed + draws):
+        positions = draw_known(labels, known, draw)
+        for column, bottom in (("model_completion_leak_auc", trained), ("from_scratch_leak_auc", fresh)):
+            others, scores = completion_scores(bottom, features, positions, labels[positions], seed=draw,
+                                               config=recipe)
+            aucs[column].append(_leak_auc(labels[others], scores))
+    aucs["model_completion_advantage"] = list(
+        np.subtract(aucs["model_completion_leak_auc"], aucs["from_scratch_leak_auc"]))
+    out: dict[str, float] = {}
+    for column, values in aucs.items():
+        out[column] = float(np.mean(values))
+        out[f"{column}_std"] = float(np.std(values, ddof=1)) if draws > 1 else 0.0
+    return out | {"known_labels": known, "completion_draws": draws}
+
+
+def load_bottom(folder: Path) -> ScoringBottom:
+    """A party's trained bottom and encoder from its model folder, each file checked against its ``files.json``."""
+    listing = Path(folder) / "files.json"
+    if not listing.exists():
+        raise DataError(f"{listing}: missing; the party wrote no model files there")
+    return ScoringBottom(folder, json.loads(listing.read_text()))
+
+
+def model_completion(run: Run, known: int = 50, draws: int = 5, seed: int = 0,
+                     partition: Path | None = None) -> pd.DataFrame:
+    """Model completion by each partner of a run, from its own model files, on the run's training rows.
+
+    One row per partner: see ``completion_leakage``; the known rows are drawn among the training rows.
+    """
+    features, targets, splits = joined_features(run, partition)
+    train = splits["train"]
+    out = []
+    for partner in run.partners:
+        bottom = load_bottom(run.model_dir(partner))
+        x = features[partner][train]
+        if x.shape[1] != bottom.encoder.width:
+            raise DataError(f"{partner}'s columns encode to width {x.shape[1]}, its model expects "
+                            f"{bottom.encoder.width}: is this the partition the run was trained on?")
+        out.append({"partner": partner, **completion_leakage(bottom.model, bottom.config, x, targets[train],
+                                                              known=known, draws=draws, seed=seed)})
+    return pd.DataFrame(out)
 
 
 def _r2_by_feature(truth: np.ndarray, predicted: np.ndarray, names: list[str]) -> dict[str, float]:

@@ -3,14 +3,20 @@
 For each defense setting it trains the bank-marketing model (bank + one
 partner, in process: the same parties and coordinator as the services, without
 the network) with the audit on, and reports test ROC-AUC next to the leak AUCs
-of the label attacks (norm, direction, cross-epoch), the embedding-inversion R²
-advantage, and the partner's ε. The hijack monitor is measured apart: repeated
-honest and hijacking runs give its detection and false-alarm rates.
+of the label attacks (norm, direction, cross-epoch norm and direction, model
+completion) and the strongest of them, the embedding-inversion R² advantage,
+and the partner's ε. Model completion is set beside its from-scratch baseline:
+the partner's own columns predict the label, so what the collaboration gave
+away is the difference (``model_completion_advantage``), not the AUC itself.
+``measure`` is one configuration's measurement, for other sweeps to call. The
+hijack monitor is measured apart: repeated honest and hijacking runs give its
+detection and false-alarm rates.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ import torch
 
 from bank.config import TrainingConfig
 from bank.in_process_party import InProcessParty
-from bank.lab.audit import inversion_rows, leakage_rows
+from bank.lab.audit import completion_leakage, inversion_rows, leakage_rows, load_bottom
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
@@ -37,7 +43,17 @@ from parties.learning.model import BottomConfig
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
 
-__all__ = ["Setting", "default_settings", "hijack_rates", "run_study", "tradeoff_figure"]
+__all__ = [
+    "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates", "measure",
+    "run_study", "tradeoff_figure",
+]
+
+#: The partner's bottom in the study unless a sweep gives another.
+PARTNER_BOTTOM = BottomConfig(seed=1)
+
+#: The label attacks' leak-AUC columns; ``strongest_label_leak_auc`` is their maximum.
+LABEL_ATTACKS = ("norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
+                 "cross_epoch_direction_leak_auc", "model_completion_leak_auc")
 
 
 @dataclass(frozen=True)
@@ -60,8 +76,11 @@ def default_settings() -> list[Setting]:
     ]
 
 
-class _Federation:
-    """Bank and partner tables aligned by a plain ID join (what the simulation may do; PSI does it for real)."""
+class Federation:
+    """Bank and partner tables aligned by a plain ID join (what the simulation may do; PSI does it for real).
+
+    ``paths``: the party files ``data.prepare.prepare_bank_marketing`` wrote.
+    """
 
     def __init__(self, paths: dict[str, Path]) -> None:
         self.bank = load_party_table(paths["bank"], "customer_id", "y")
@@ -78,13 +97,18 @@ class _Federation:
         return InProcessParty(name, table, lambda: self.alignments[name], config, **kwargs)
 
     def coordinator(self, training: TrainingConfig, privacy: PrivacyConfig | None = None,
-                    monitor: MonitorConfig | None = None) -> Coordinator:
+                    monitor: MonitorConfig | None = None, partner_bottom: BottomConfig = PARTNER_BOTTOM,
+                    model_dir: Path | None = None) -> Coordinator:
+        """``model_dir``: where the partner writes its model files when training ends (default: nowhere)."""
         own = self.party("bank", self.bank, training.bank_bottom)
-        partner = self.party("partner", self.partner, BottomConfig(seed=1), privacy=privacy, monitor=monitor)
+        files = None if model_dir is None else (lambda session: model_dir / session)
+        partner = self.party("partner", self.partner, partner_bottom, privacy=privacy, monitor=monitor,
+                             model_dir=files)
         return Coordinator(training, self.task, self.targets, [own, partner], alignment_id="sim")
 
 
-def _inversion_advantage(fed: _Federation, coordinator: Coordinator, record: dict[str, torch.Tensor]) -> float:
+def _inversion_advantage(fed: Federation, coordinator: Coordinator, record: dict[str, torch.Tensor],
+                         seed: int) -> float:
     """Mean R² advantage over the partner's features; encoders fitted on the training rows, as the parties do."""
     positions = record["rows"].numpy()
     features, names = {}, []
@@ -93,42 +117,75 @@ def _inversion_advantage(fed: _Federation, coordinator: Coordinator, record: dic
         encoder = TabularEncoder(table.schema).fit(frame.iloc[coordinator.split.train])
         features[name] = encoder.transform(frame.iloc[positions])
         names = encoder.feature_names()
-    rows = inversion_rows("partner", record["embedding"].numpy(), features["partner"], features["bank"], names)
+    rows = inversion_rows("partner", record["embedding"].numpy(), features["partner"], features["bank"], names, seed)
     return float(np.mean([r["advantage"] for r in rows]))
+
+
+def measure(
+    fed: Federation, training: TrainingConfig, privacy: PrivacyConfig | None = None,
+    partner_bottom: BottomConfig | None = None, *, known_labels: int = 50, draws: int = 5, seed: int = 0,
+) -> dict[str, Any]:
+    """Train one configuration with the audit on and measure what it costs and what leaks.
+
+    ``training``: the bank's settings (its defenses, top, schedule, seed of the split and batches);
+    ``privacy``: the partner's embedding DP; ``partner_bottom``: the partner's bottom (default
+    ``PARTNER_BOTTOM``). ``known_labels``: how many training rows' labels the partner has learned, for
+    model completion, drawn ``draws`` times (seeds ``seed``, ``seed + 1``, ...); ``seed`` also seeds
+    the inversion probe. Returns test ROC-AUC, every label attack's leak AUC (``LABEL_ATTACKS``; the
+    per-epoch ones averaged over epochs) and the strongest, model completion's from-scratch baseline
+    and advantage (``bank.lab.audit.completion_leakage``), the inversion R² advantage, and ε.
+    """
+    bottom_config = partner_bottom or PARTNER_BOTTOM
+    with tempfile.TemporaryDirectory(prefix="cutlayer-study-") as folder:
+        audited = training.model_copy(update={"audit": True})
+        coordinator = fed.coordinator(audited, privacy, partner_bottom=bottom_config, model_dir=Path(folder))
+        outcome = coordinator.run()
+        bottom = load_bottom(Path(folder) / outcome.session_id)
+    assert outcome.audit is not None
+    tensors = outcome.audit.tensors()
+    targets = fed.targets.numpy()
+    grads = {k: v.numpy() for k, v in tensors["gradients-partner"].items()}
+    leakage = leakage_rows("partner", grads, targets)
+    per_epoch = [r for r in leakage if isinstance(r["epoch"], int)]
+    pooled = leakage[-1]
+    # The partner's columns for its training rows, encoded by its own encoder (fitted on them).
+    train = coordinator.split.train
+    frame = fed.partner.features.iloc[fed.alignments["partner"].rows[train]]
+    completion = completion_leakage(bottom.model, bottom.config, bottom.encoder.transform(frame), targets[train],
+                                    known=known_labels, draws=draws, seed=seed)
+    row: dict[str, Any] = {
+        "test_roc_auc": outcome.test_metrics["roc_auc"],
+        "norm_leak_auc": float(np.mean([r["norm_leak_auc"] for r in per_epoch])),
+        "direction_leak_auc": float(np.mean([r["direction_leak_auc"] for r in per_epoch])),
+        "cross_epoch_norm_leak_auc": pooled["norm_leak_auc"],
+        "cross_epoch_direction_leak_auc": pooled["direction_leak_auc"],
+        **completion,
+    }
+    strongest = max(LABEL_ATTACKS, key=lambda c: row[c])
+    row |= {
+        "strongest_label_leak_auc": row[strongest],
+        "strongest_label_attack": strongest.removesuffix("_leak_auc"),
+        "inversion_r2_advantage": _inversion_advantage(fed, coordinator, tensors["embeddings-partner"], seed),
+        # ε after the last epoch's training and validation releases (δ = 1e-5); inf: no embedding DP.
+        "partner_epsilon": outcome.history[-1].get("epsilon_partner", math.inf),
+        "label_dp_epsilon": training.label_dp_epsilon if training.label_dp_epsilon is not None else math.inf,
+    }
+    return row
 
 
 def run_study(
     out: Path, *, rows: int | None = 8000, epochs: int = 8, settings: list[Setting] | None = None,
-    cache: Path | None = None, download: bool = True, progress: Any = None,
+    cache: Path | None = None, download: bool = True, progress: Any = None, known_labels: int = 50,
 ) -> pd.DataFrame:
     """Train once per setting; write ``privacy_study.csv`` and ``privacy_tradeoff.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    fed = _Federation(prepare_bank_marketing(out / "data", rows=rows, cache=cache, download=download))
+    fed = Federation(prepare_bank_marketing(out / "data", rows=rows, cache=cache, download=download))
     results = []
     for setting in settings or default_settings():
         if progress is not None:
             progress(setting.name)
-        training = TrainingConfig(epochs=epochs, audit=True, **setting.training)
-        coordinator = fed.coordinator(training, setting.privacy)
-        outcome = coordinator.run()
-        assert outcome.audit is not None
-        tensors = outcome.audit.tensors()
-        grads = {k: v.numpy() for k, v in tensors["gradients-partner"].items()}
-        leakage = leakage_rows("partner", grads, fed.targets.numpy())
-        per_epoch = [r for r in leakage if isinstance(r["epoch"], int)]
-        pooled = leakage[-1]
-        results.append({
-            "setting": setting.name,
-            "test_roc_auc": outcome.test_metrics["roc_auc"],
-            "norm_leak_auc": float(np.mean([r["norm_leak_auc"] for r in per_epoch])),
-            "direction_leak_auc": float(np.mean([r["direction_leak_auc"] for r in per_epoch])),
-            "cross_epoch_norm_leak_auc": pooled["norm_leak_auc"],
-            "cross_epoch_direction_leak_auc": pooled["direction_leak_auc"],
-            "inversion_r2_advantage": _inversion_advantage(fed, coordinator, tensors["embeddings-partner"]),
-            # ε after the last epoch's training and validation releases (δ = 1e-5); inf: no embedding DP.
-            "partner_epsilon": outcome.history[-1].get("epsilon_partner", math.inf),
-            "label_dp_epsilon": setting.training.get("label_dp_epsilon", math.inf),
-        })
+        training = TrainingConfig(epochs=epochs, **setting.training)
+        results.append({"setting": setting.name, **measure(fed, training, setting.privacy, known_labels=known_labels)})
     table = pd.DataFrame(results)
     table.to_csv(out / "privacy_study.csv", index=False)
     fig = tradeoff_figure(table)
@@ -140,7 +197,7 @@ def run_study(
 def hijack_rates(out: Path, *, runs: int = 5, rows: int | None = 3000, epochs: int = 2, probe_every: int = 5,
                  cache: Path | None = None, download: bool = True) -> pd.DataFrame:
     """Detection and false-alarm rates of the hijack monitor over repeated honest and hijacking runs."""
-    fed = _Federation(prepare_bank_marketing(out / "data-hijack", rows=rows, cache=cache, download=download))
+    fed = Federation(prepare_bank_marketing(out / "data-hijack", rows=rows, cache=cache, download=download))
     outcomes = []
     for seed in range(runs):
         for malicious in (False, True):
@@ -166,10 +223,18 @@ def hijack_rates(out: Path, *, runs: int = 5, rows: int | None = 3000, epochs: i
 
 
 def tradeoff_figure(table: pd.DataFrame) -> plt.Figure:
-    """Test ROC-AUC against what leaks, one numbered point per defense setting: labels (left), features (right)."""
-    leak = table[["norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
-                  "cross_epoch_direction_leak_auc"]].max(axis=1)
+    """Test ROC-AUC against what leaks, one numbered point per defense setting: labels (left), features (right).
+
+    Labels: the strongest label attack's leak AUC (``strongest_label_leak_auc``), with model completion's
+    from-scratch baseline marked (what the partner's columns give it without any collaboration).
+    """
+    leak = table["strongest_label_leak_auc"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    # Model completion's floor is not 0.5: the partner's own columns and known labels, without the split model.
+    known = int(table["known_labels"].iloc[0])
+    left.axvline(float(table["from_scratch_leak_auc"].mean()), color="tab:orange", linestyle="--",
+                 label=f"partner's own columns + {known} labels, no collaboration (from scratch)")
+    left.legend(fontsize=8, loc="lower left")
     for ax, x, label, floor in (
         (left, leak, "label leak AUC, strongest attack (0.5: nothing leaks)", 0.5),
         (right, table["inversion_r2_advantage"], "embedding-inversion R² advantage (0: nothing leaks)", 0.0),
