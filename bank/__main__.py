@@ -223,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(ps)
 
+    cs = command(sub, "cut-study", "sweep the cut layer (width, partner depth, where the partner stops): test AUC, "
+                                   "bytes, compute and every leak per point (simulation only)",
+                 handler=commands.cut_study)
+    cs.add_argument("--out", type=Path, required=True, help="folder for cut_study.csv and cut_frontier.png")
+    cs.add_argument("--rows", type=int, default=8000,
+                    help="a seeded slice of N customers; 0: all (default %(default)s)")
+    cs.add_argument("--epochs", type=int, default=8, help="epochs per point (default %(default)s)")
+    cs.add_argument("--known-labels", type=int, default=50,
+                    help="labels the model-completion attacker knows (default %(default)s)")
+    cs.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    _add_log_level(cs)
+
     b = command(sub, "bench", "time split training against the unsplit model, side by side", handler=commands.bench)
     b.add_argument("--epochs", type=int, default=4, help="epochs per round (default %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "bench", "privacy_study", "psi_bench", "report", "scale_bench", "score", "serve", "sessions", "subset_study", "train",
+    "print_scoring", "print_summary", "align", "bench", "cut_study", "privacy_study", "psi_bench", "report", "scale_bench", "score", "serve", "sessions", "subset_study", "train",
     "walkthrough",
 ]
 
@@ -240,6 +240,25 @@ def subset_study(args: argparse.Namespace) -> int:
         table.to_csv(run.path / "analysis" / f"subset_study_{name}.csv", index=False)
         print(f"\n== {name}\n{table.to_string(index=False, float_format=lambda v: f'{v:.4f}')}")
     print(f"\nwritten to {run.path / 'analysis'}")
+    return 0
+
+
+def cut_study(args: argparse.Namespace) -> int:
+    from bank.lab.cut_study import default_grid, run_cut_study
+
+    for flag, value in (("--rows", args.rows), ("--epochs", args.epochs), ("--known-labels", args.known_labels)):
+        if value < (0 if flag == "--rows" else 1):
+            raise ConfigError(f"{flag} must be {'0 or more' if flag == '--rows' else 'at least 1'}, got {value}")
+    grid = default_grid()
+    print(f"cut study: {len(grid)} points, {args.epochs} epochs each, "
+          f"{'all customers' if not args.rows else f'{args.rows:,} customers'}", file=sys.stderr)
+    table = run_cut_study(args.out, rows=args.rows or None, epochs=args.epochs, grid=grid,
+                          known_labels=args.known_labels, cache=args.cache_dir,
+                          progress=lambda line: print(f"... {line}", file=sys.stderr))
+    shown = ["point", "test_roc_auc", "bytes_per_step", "partner_ms_per_step", "bank_ms_per_step",
+             "strongest_label_leak_auc", "inversion_r2_advantage"]
+    print(table[[c for c in shown if c in table]].to_string(index=False))
+    print(f"\nwritten to {args.out}")
     return 0
 
 

@@ -51,11 +51,15 @@ def audited_run(project: Path) -> Path:
 @pytest.fixture(scope="module")
 def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.NotebookNode:
     """The notebook after ``jupyter nbconvert --to notebook --execute notebooks/analysis.ipynb`` from the project."""
+    from bank.lab.cut_study import CutPoint, run_cut_study
     from bank.lab.privacy_study import hijack_rates, run_study
 
     study = audited_run / "privacy"  # section 5 reads a privacy study kept in the run folder
     run_study(study, rows=4000, epochs=4, cache=bank_full.parent, download=False)
     hijack_rates(study, runs=2, rows=2000, cache=bank_full.parent, download=False)
+    # Section 7 reads a cut-layer study kept in the run folder: two cuts are enough to draw its frontier.
+    run_cut_study(audited_run / "cut-study", rows=3000, epochs=2,
+                  grid=[CutPoint("width", cut_width=4), CutPoint("width")], cache=bank_full.parent, download=False)
     env = {k: v for k, v in os.environ.items() if k != "CUTLAYER_RUN"}
     result = subprocess.run(
         [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "notebooks/analysis.ipynb",
@@ -128,7 +132,11 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     images = sum(1 for c in executed.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
-    assert images == 6
+    assert images == 7
+    (section7,) = [c for c in executed.cells if c.cell_type == "code" and "cut_study(run)" in c.source]
+    shown = _text(section7)
+    assert "no cut-layer study" not in shown and "strongest_label_leak_auc" in shown and "bytes_per_step" in shown
+    assert any("image/png" in o.get("data", {}) for o in section7.outputs)
 
     analysis = audited_run / "analysis"
     for name in ("learning_curves", "roc_pr", "comparison", "label_leakage", "reliability"):

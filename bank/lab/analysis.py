@@ -29,6 +29,7 @@ from parties.errors import DataError
 __all__ = [
     "Run",
     "communication_table",
+    "cut_study",
     "latest_run",
     "leakage_figure",
     "learning_curves",
@@ -280,6 +281,15 @@ def privacy_study(run: Run) -> dict[str, Any] | None:
     return {"table": pd.read_csv(folder / "privacy_study.csv"),
             "hijack_monitor": pd.read_csv(folder / "hijack_monitor.csv"),
             "figure": folder / "privacy_tradeoff.png"}
+
+
+def cut_study(run: Run) -> dict[str, Any] | None:
+    """The cut-layer study saved under ``<run>/cut-study`` (``python -m bank cut-study --out``), if any: its
+    table (one row per cut point, the walkthrough's default marked) and its frontier figure."""
+    folder = run.path / "cut-study"
+    if not (folder / "cut_study.csv").exists():
+        return None
+    return {"table": pd.read_csv(folder / "cut_study.csv"), "figure": folder / "cut_frontier.png"}
 
 
 def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0,
