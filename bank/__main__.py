@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bytes, compute and every leak per point (simulation only)",
                  handler=commands.cut_study)
     cs.add_argument("--out", type=Path, required=True, help="folder for cut_study.csv and cut_frontier.png")
-    cs.add_argument("--rows", type=int, default=8000,
-                    help="a seeded slice of N customers; 0: all (default %(default)s)")
+    cs.add_argument("--rows", type=int, default=0,
+                    help="a seeded slice of N customers; 0: all of bank-full (default %(default)s)")
     cs.add_argument("--epochs", type=int, default=8, help="epochs per point (default %(default)s)")
     cs.add_argument("--known-labels", type=int, default=50,
                     help="labels the model-completion attacker knows (default %(default)s)")

@@ -166,9 +166,9 @@ def _leaks(fed, training: TrainingConfig) -> tuple[dict[str, float], float, list
 
 
 def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank_full: Path, tmp_path: Path) -> None:
-    from bank.lab.privacy_study import _Federation
+    from bank.lab.privacy_study import Federation
 
-    fed = _Federation(prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False))
+    fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False))
     runs = {s: _leaks(fed, TrainingConfig(epochs=3, batch_size=128, audit=True, **(
         {} if s is None else {"gradient_defense": "marvell", "marvell_power": s}))) for s in (None, 1.0, 16.0)}
     (none, none_auc, plain), (one, one_auc, h1), (sixteen, sixteen_auc, h16) = runs.values()
@@ -183,9 +183,9 @@ def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank
 
 
 def test_marvell_training_is_reproducible_with_local_steps(bank_full: Path, tmp_path: Path) -> None:
-    from bank.lab.privacy_study import _Federation
+    from bank.lab.privacy_study import Federation
 
-    fed = _Federation(prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False))
+    fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False))
     config = TrainingConfig(epochs=1, batch_size=64, local_steps=2, max_steps=6, audit=True,
                             gradient_defense="marvell", marvell_power=2.0)
     runs = [fed.coordinator(config).run().audit.tensors()["gradients-partner"]["grads"] for _ in range(2)]

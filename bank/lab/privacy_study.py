@@ -44,7 +44,7 @@ from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
 
 __all__ = [
-    "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates", "measure",
+    "GRADIENT_ATTACKS", "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates", "measure",
     "run_study", "tradeoff_figure",
 ]
 
@@ -56,23 +56,42 @@ LABEL_ATTACKS = ("norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_a
                  "cross_epoch_direction_leak_auc", "model_completion_leak_auc")
 
 
+#: The attacks on the gradients a partner receives (what a gradient defense can act on).
+GRADIENT_ATTACKS = LABEL_ATTACKS[:4]
+
+
 @dataclass(frozen=True)
 class Setting:
+    """One point of the study: the bank's ``training`` overrides and the partner's ``privacy`` settings.
+
+    ``defense`` names the family the point belongs to (one frontier per family) and ``knob`` its knob's value
+    (ε, σ, s, α, the noise scale; none for a defense without one).
+    """
+
     name: str
     training: dict[str, Any] = field(default_factory=dict)
     privacy: PrivacyConfig | None = None
+    defense: str = "no defense"
+    knob: float | None = None
 
 
 def default_settings() -> list[Setting]:
+    """Every defense, each swept over its knob; and the combinations the single defenses point to."""
     return [
         Setting("no defense"),
-        Setting("embedding DP (C=1, σ=0.5)", privacy=PrivacyConfig(clip=1.0, noise=0.5)),
-        Setting("embedding DP (C=1, σ=2)", privacy=PrivacyConfig(clip=1.0, noise=2.0)),
-        Setting("label DP (RR, ε=3)", {"label_dp_epsilon": 3.0}),
-        Setting("label DP (RR, ε=1)", {"label_dp_epsilon": 1.0}),
-        Setting("max-norm gradients", {"gradient_defense": "max_norm"}),
-        Setting("isotropic gradient noise ×1", {"gradient_defense": "isotropic", "gradient_noise": 1.0}),
-        Setting("isotropic gradient noise ×4", {"gradient_defense": "isotropic", "gradient_noise": 4.0}),
+        *(Setting(f"label DP (RR, ε={e:g})", {"label_dp_epsilon": e}, defense="label DP", knob=e) for e in (3.0, 1.0, 0.5)),
+        Setting("max-norm gradients", {"gradient_defense": "max_norm"}, defense="max-norm"),
+        *(Setting(f"isotropic gradient noise ×{k:g}", {"gradient_defense": "isotropic", "gradient_noise": k},
+                  defense="isotropic noise", knob=k) for k in (1.0, 4.0)),
+        *(Setting(f"Marvell (s={k:g})", {"gradient_defense": "marvell", "marvell_power": k}, defense="Marvell", knob=k)
+          for k in (0.25, 1.0, 4.0, 16.0)),
+        *(Setting(f"embedding DP (C=1, σ={k:g})", privacy=PrivacyConfig(clip=1.0, noise=k), defense="embedding DP",
+                  knob=k) for k in (0.5, 2.0)),
+        *(Setting(f"NoPeek (α={k:g})", privacy=PrivacyConfig(nopeek=k), defense="NoPeek", knob=k) for k in (0.3, 1.0, 3.0)),
+        Setting("Marvell (s=4) + label DP (ε=1)", {"gradient_defense": "marvell", "marvell_power": 4.0,
+                                                    "label_dp_epsilon": 1.0}, defense="combined"),
+        Setting("Marvell (s=1) + NoPeek (α=1)", {"gradient_defense": "marvell", "marvell_power": 1.0},
+                PrivacyConfig(nopeek=1.0), defense="combined"),
     ]
 
 
@@ -165,6 +184,8 @@ def measure(
     row |= {
         "strongest_label_leak_auc": row[strongest],
         "strongest_label_attack": strongest.removesuffix("_leak_auc"),
+        # What the gradients alone give away: the attacks a gradient defense can act on.
+        "strongest_gradient_leak_auc": max(row[c] for c in GRADIENT_ATTACKS),
         "inversion_r2_advantage": _inversion_advantage(fed, coordinator, tensors["embeddings-partner"], seed),
         # ε after the last epoch's training and validation releases (δ = 1e-5); inf: no embedding DP.
         "partner_epsilon": outcome.history[-1].get("epsilon_partner", math.inf),
@@ -185,7 +206,8 @@ def run_study(
         if progress is not None:
             progress(setting.name)
         training = TrainingConfig(epochs=epochs, **setting.training)
-        results.append({"setting": setting.name, **measure(fed, training, setting.privacy, known_labels=known_labels)})
+        measured = measure(fed, training, setting.privacy, known_labels=known_labels)
+        results.append({"setting": setting.name, "defense": setting.defense, "knob": setting.knob, **measured})
     table = pd.DataFrame(results)
     table.to_csv(out / "privacy_study.csv", index=False)
     fig = tradeoff_figure(table)
@@ -222,31 +244,53 @@ def hijack_rates(out: Path, *, runs: int = 5, rows: int | None = 3000, epochs: i
     return rates
 
 
-def tradeoff_figure(table: pd.DataFrame) -> plt.Figure:
-    """Test ROC-AUC against what leaks, one numbered point per defense setting: labels (left), features (right).
+#: The bars the study is judged by: (leak, AUC cost) corners a good setting lies inside.
+LABEL_BAR = (0.60, 0.010)
+INVERSION_BAR = (0.10, 0.02)
 
-    Labels: the strongest label attack's leak AUC (``strongest_label_leak_auc``), with model completion's
-    from-scratch baseline marked (what the partner's columns give it without any collaboration).
+
+def tradeoff_figure(table: pd.DataFrame) -> plt.Figure:
+    """One frontier per defense: test-AUC cost against what still leaks, each family's points joined in order
+    of its knob and labelled with it.
+
+    Left, labels: the strongest label attack of all (model completion included: its floor is what the
+    partner's own columns and known labels give without any collaboration, marked). Middle: the strongest
+    attack on the gradients alone (what a gradient defense acts on). Right, features: the inversion R²
+    advantage. The shaded corner is the study's bar.
     """
-    leak = table["strongest_label_leak_auc"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    # Model completion's floor is not 0.5: the partner's own columns and known labels, without the split model.
-    known = int(table["known_labels"].iloc[0])
-    left.axvline(float(table["from_scratch_leak_auc"].mean()), color="tab:orange", linestyle="--",
-                 label=f"partner's own columns + {known} labels, no collaboration (from scratch)")
-    left.legend(fontsize=8, loc="lower left")
-    for ax, x, label, floor in (
-        (left, leak, "label leak AUC, strongest attack (0.5: nothing leaks)", 0.5),
-        (right, table["inversion_r2_advantage"], "embedding-inversion R² advantage (0: nothing leaks)", 0.0),
-    ):
-        ax.scatter(x, table["test_roc_auc"], s=70, color="tab:blue")
-        for i, (xi, yi) in enumerate(zip(x, table["test_roc_auc"]), start=1):
-            ax.annotate(str(i), (xi, yi), textcoords="offset points", xytext=(6, 3), fontsize=9)
+    baseline = table.loc[table["defense"] == "no defense", "test_roc_auc"]
+    base = float(baseline.iloc[0]) if len(baseline) else float(table["test_roc_auc"].max())
+    cost = base - table["test_roc_auc"]
+    panels = (
+        ("strongest_label_leak_auc", "label leak AUC, strongest attack incl. model completion", LABEL_BAR),
+        ("strongest_gradient_leak_auc", "label leak AUC, strongest attack on the gradients", LABEL_BAR),
+        ("inversion_r2_advantage", "embedding-inversion R² advantage (0: nothing leaks)", INVERSION_BAR),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), sharey=True)
+    families = list(dict.fromkeys(table["defense"]))
+    for ax, (column, label, (leak_bar, cost_bar)) in zip(axes, panels):
+        floor = 0.0 if column == "inversion_r2_advantage" else 0.5
+        ax.fill_between([min(floor, table[column].min()) - 0.02, leak_bar], -1, cost_bar, color="tab:green",
+                        alpha=0.12, label="the bar")
+        for k, family in enumerate(families):
+            part = table[table["defense"] == family]
+            part = part.sort_values("knob") if part["knob"].notna().all() else part
+            x, y = part[column].to_numpy(dtype=float), cost[part.index].to_numpy()
+            ax.plot(x, y, marker="o" if family != "no defense" else "*", markersize=7 if family != "no defense" else 16,
+                    color=f"C{k}", label=family, linestyle="-" if len(part) > 1 and family != "combined" else "none")
+            for xi, yi, knob, name in zip(x, y, part["knob"], part["setting"]):
+                text = name if family == "combined" else (f"{knob:g}" if pd.notna(knob) else "")
+                if text:
+                    ax.annotate(text, (xi, yi), textcoords="offset points", xytext=(5, 3), fontsize=7)
         ax.axvline(floor, color="grey", linestyle=":")
         ax.set(xlabel=label)
-    left.set(ylabel="test ROC-AUC")
-    key = "\n".join(f"{i}. {name}" for i, name in enumerate(table["setting"], start=1))
-    right.text(1.03, 0.5, key, transform=right.transAxes, va="center", fontsize=9)
-    fig.suptitle("what each defense costs (test ROC-AUC) and buys (less leakage)")
+    if "from_scratch_leak_auc" in table:
+        known = int(table["known_labels"].iloc[0])
+        axes[0].axvline(float(table["from_scratch_leak_auc"].mean()), color="black", linestyle="--", linewidth=1,
+                        label=f"own columns + {known} labels, no collaboration")
+    ymax = max(float(cost.max()), 0.03)
+    axes[0].set(ylabel="test ROC-AUC cost against no defense (lower is better)", ylim=(-0.01, ymax * 1.08))
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("what each defense costs and buys, over its knob (ε, σ, s, α, scale)")
     fig.tight_layout()
     return fig
