@@ -366,10 +366,12 @@ class Coordinator(Recovery):
             if self.config.track_test:
                 row |= {f"test_{m}": v for m, v in self.evaluate(top, self.split.test)[0].items()}
             row["train_seconds"] = train_seconds
-            for p in self.parties[1:]:  # each partner's embedding-DP spend, as it reports it
+            for p in self.parties[1:]:  # each partner's embedding-DP spend and NoPeek dCor, as it reports them
                 report = p.privacy()
                 if report.enabled:
                     row[f"epsilon_{p.name}"] = report.epsilon
+                if report.dcor is not None:
+                    row[f"dcor_{p.name}"] = report.dcor
             row["seconds"] = time.perf_counter() - epoch_start
             loop.history.append(row)
             logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",
