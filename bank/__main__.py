@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
     d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")
     d.add_argument("--dp-budget", type=float, default=None, help="partners: refuse releases past this ε")
+    d.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",
+                   help="partners: NoPeek, ALPHA x dCor(features, embedding) added to their own loss")
     d.add_argument("--hijack-probe-every", type=int, default=None, help="partners: hijack monitor probe interval")
     d.add_argument("--label-dp-epsilon", type=float, default=None, help="bank: randomized-response label DP ε")
     _add_gradient_defense_arguments(d)

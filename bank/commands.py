@@ -338,6 +338,20 @@ def scale_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_partner_privacy(args: argparse.Namespace) -> None:
+    """The partners' privacy flags, checked here: a bad value is one line naming the flag, not a partner that
+    fails to start."""
+    from parties.learning.config import PrivacyConfig
+    from parties.settings import describe_problems
+
+    flags = {"clip": "--dp-clip", "noise": "--dp-noise", "budget": "--dp-budget", "nopeek": "--nopeek"}
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in flags.items()}
+    try:
+        PrivacyConfig(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(describe_problems(exc, lambda loc: flags.get(str(loc[0]), str(loc[0])))) from exc
+
+
 def walkthrough(args: argparse.Namespace) -> int:
     from bank.walkthrough import WalkthroughConfig, run_walkthrough
 
@@ -346,9 +360,10 @@ def walkthrough(args: argparse.Namespace) -> int:
                                 label_dp_epsilon=args.label_dp_epsilon, wire_precision=args.wire_precision,
                                 local_steps=args.local_steps, reuse_steps=args.reuse_steps, **_gradient_defense(args))
     training = _knob_applies(args, training)
+    _check_partner_privacy(args)
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
-        ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
+        ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
                           cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,

@@ -120,8 +120,7 @@ class InProcessParty:
 
     def privacy(self) -> PrivacyReport:
         session = self._live()
-        dp = session.trainer.dp
-        return dp.report(session.session_id) if dp is not None else PrivacyReport(session=session.session_id, enabled=False)
+        return session.trainer.privacy_report(session.session_id)
 
     def end(self, finished: bool = True) -> None:
         if self.session is not None:

@@ -161,7 +161,8 @@ class PartnerSettings(ServiceSettings):
     role: ClassVar[Role] = "partner"
 
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="embedding DP (off without a clip)")
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig,
+                                   description="embedding DP (off without a clip) and NoPeek (off at 0)")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off at probe_every=0)")
     max_training_sessions: int = Field(2, ge=1, description="live training sessions at once")
     training_session_ttl: float = Field(
@@ -230,7 +231,7 @@ def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ..
 _FLAGS = {
     "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
     "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.delta": "--dp-delta",
-    "privacy.budget": "--dp-budget", "monitor.probe_every": "--hijack-probe-every",
+    "privacy.budget": "--dp-budget", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
 }
 
 

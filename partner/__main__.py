@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-delta", type=float, default=None,
                    help=f"δ for the reported ε (default {default_of(PrivacyConfig, 'delta')})")
     d.add_argument("--dp-budget", type=float, default=None, help="refuse releases that would pass this ε")
+    n = s.add_argument_group("NoPeek: embeddings that reveal less of this partner's features (needs no DP)")
+    n.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",
+                   help="add ALPHA x the distance correlation between this partner's features and its embedding "
+                        "of each training batch to its own loss, so the bank decodes less of the features; "
+                        "costs some accuracy (more at larger ALPHA) and O(batch size squared) compute per update "
+                        f"(default {default_of(PrivacyConfig, 'nopeek')}: off)")
     s.add_argument("--hijack-probe-every", type=int, default=None,
                    help=f"watch for a hijacking bank: probe every N steps "
                         f"(default {default_of(MonitorConfig, 'probe_every')}: off)")
@@ -57,7 +63,8 @@ def serve(args: argparse.Namespace) -> int:
         "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
     }
     bottom = {k: v for k, v in bottom.items() if v is not None}
-    privacy = {"clip": args.dp_clip, "noise": args.dp_noise, "delta": args.dp_delta, "budget": args.dp_budget}
+    privacy = {"clip": args.dp_clip, "noise": args.dp_noise, "delta": args.dp_delta, "budget": args.dp_budget,
+               "nopeek": args.nopeek}
     privacy = {k: v for k, v in privacy.items() if v is not None}
     settings = load_settings(
         PartnerSettings, **service_values(args), bottom=bottom or None, privacy=privacy or None,

@@ -57,7 +57,8 @@ class PartnerCore:
         self.scoring_alignments: dict[str, np.ndarray] = {}
         self.models: dict[str, ScoringBottom] = {}
         # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
-        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.clip is not None else None
+        # NoPeek shapes training only: scoring releases what the trained model computes.
+        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.embedding_dp else None
 
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         if request.version != PROTOCOL_VERSION:
@@ -165,7 +166,7 @@ class PartnerCore:
             if existing is None and len(self._training) >= self.settings.max_training_sessions:
                 raise OutOfOrder(f"{len(self._training)} training sessions are live; end one first "
                                  f"(each idle one ends by itself after {self.settings.training_session_ttl:.0f}s)")
-        privacy = self.settings.privacy if self.settings.privacy.clip is not None else None
+        privacy = self.settings.privacy if self.settings.privacy.active else None
         monitor = self.settings.monitor if self.settings.monitor.probe_every else None
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor,
@@ -234,8 +235,7 @@ class PartnerCore:
         session.restarted_at = None
 
     def privacy(self, session_id: str) -> PrivacyReport:
-        dp = self.training(session_id).trainer.dp
-        return dp.report(session_id) if dp is not None else PrivacyReport(session=session_id, enabled=False)
+        return self.training(session_id).trainer.privacy_report(session_id)
 
     def finish_training(self, session_id: str, restore_best: bool) -> ModelFiles:
         session = self.training(session_id)

@@ -162,7 +162,8 @@ async def restore(session_id: str, body: training.RestoreRequest, c: PartnerCore
     return Response(status_code=204)
 
 
-@train.get(training.PRIVACY, response_model=training.PrivacyReport)
+# Without None fields: a partner without NoPeek answers exactly what it answered before NoPeek existed.
+@train.get(training.PRIVACY, response_model=training.PrivacyReport, response_model_exclude_none=True)
 async def privacy(session_id: str, c: PartnerCore = Depends(core)) -> training.PrivacyReport:
     return c.privacy(session_id)
 

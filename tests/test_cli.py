@@ -89,6 +89,7 @@ MODEL_DEFAULTS = {
     ("partner serve", "--optimizer"): _field(BottomConfig, "optimizer"),
     ("partner serve", "--dp-noise"): _field(PrivacyConfig, "noise"),
     ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
+    ("partner serve", "--nopeek"): _field(PrivacyConfig, "nopeek"),
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
     ("bank train", "--task"): _field(TrainingConfig, "task"),
@@ -170,8 +171,10 @@ def test_a_missing_tls_option_is_one_plain_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags, message", [
     (["--lr", "-1"], "error: --lr: Input should be greater than 0"),
     (["--dp-clip", "0"], "error: --dp-clip: Input should be greater than 0"),
+    (["--nopeek", "-1"], "error: --nopeek: Input should be greater than or equal to 0"),
+    (["--nopeek", "nan"], "error: --nopeek: Input should be a finite number"),
     (["--port", "70000"], "error: --port: Input should be less than or equal to 65535"),
-], ids=["lr", "dp-clip", "port"])
+], ids=["lr", "dp-clip", "nopeek-negative", "nopeek-nan", "port"])
 def test_a_bad_flag_value_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
                                          message: str) -> None:
     data = tmp_path / "p.csv"

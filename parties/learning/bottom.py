@@ -22,6 +22,12 @@ twice as long to reach its target AUC. The cache is part of a checkpoint. In
 exact mode (the default) none of this runs: the model is the unsplit model's,
 bit for bit.
 
+NoPeek (``PrivacyConfig.nopeek`` = α > 0, ``parties.learning.nopeek``): every
+update, exact or local, also descends α·dCor(x, z) of its batch, so the
+bottom's gradient is the bank's through z plus α·∇dCor. The bank's side is
+untouched (it never knows). The step that ends an epoch (the flush) logs the
+epoch's mean dCor. At α = 0 nothing of it is computed.
+
 Exactly once: (session, step) is the idempotency key. A step that arrives
 again with the same content (the bank retrying after a lost response) gets
 the stored answer and changes nothing; with other content, or any step but
@@ -48,6 +54,8 @@ from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom, build_optimizer
+from parties.learning.nopeek import NoPeek
+from parties.protocol.training import PrivacyReport
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
 
@@ -77,11 +85,13 @@ class BottomTrainer:
         self.next_step = 0
         self._pending: torch.Tensor | None = None
         self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
+        self._pending_clean: torch.Tensor | None = None  # with NoPeek: the pending embedding before DP noise
         self._best: dict[str, Any] | None = None
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
-        self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.clip is not None else None
+        self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.embedding_dp else None
+        self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
         self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
         self._probe: list[tuple[int, int]] = []
         self.local = local if local is not None and not local.exact else None
@@ -148,15 +158,17 @@ class BottomTrainer:
                 if self.monitor.alarm is not None:
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
+                assert grad is not None and self._pending_index is not None
                 if self.local_batch is None:
                     fast_path.clear_grads(self._params)
-                    fast_path.backward(self._pending, grad)
+                    self._backward(self._pending, grad, self._pending_index, self._pending_clean)
                     fast_path.optimizer_step(self.optimizer)
                 else:
-                    assert grad is not None and self._pending_index is not None
                     self._local_updates(self._pending_index, grad, self._pending.detach())
-                # Both go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
-                self._pending, self._pending_index = None, None
+                # They go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
+                self._pending, self._pending_index, self._pending_clean = None, None, None
+            if rows is None and self.nopeek is not None:  # the flush: the epoch's last gradient is applied
+                self._end_nopeek_epoch(step)
             out = None
             if rows is not None:
                 if not self.model.training:
@@ -166,6 +178,8 @@ class BottomTrainer:
                 else:  # no graph: each local step recomputes its batch's embedding
                     with torch.no_grad():
                         z = self.model(self.x.index_select(0, rows))
+                if self.nopeek is not None and self.local_batch is None:
+                    self._pending_clean = self.dp.clipped(z) if self.dp is not None else z
                 if self.dp is not None:
                     z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
@@ -200,8 +214,35 @@ class BottomTrainer:
         if answered is not None:
             grad = grad * F.cosine_similarity(z.detach(), answered, dim=1).clamp_(min=0.0)[:, None]
         fast_path.clear_grads(self._params)
-        fast_path.backward(z, grad)
+        self._backward(z, grad, rows, z)
         fast_path.optimizer_step(self.optimizer)
+
+    def _backward(self, z: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, clean: torch.Tensor | None) -> None:
+        """Accumulate the gradient of the bank's loss through ``z`` (the embedding as released), and with NoPeek
+        that of α·dCor(features of ``rows``, ``clean``), ``clean`` being ``z`` before any DP noise."""
+        if self.nopeek is None:
+            fast_path.backward(z, grad)
+            return
+        assert clean is not None
+        penalty = self.nopeek.penalty(self.x.index_select(0, rows), clean)
+        # Both in one pass: with DP the two share the graph up to the clipping.
+        torch.autograd.backward((z, penalty), (grad, torch.ones_like(penalty)))
+
+    def _end_nopeek_epoch(self, step: int) -> None:
+        assert self.nopeek is not None
+        closed = self.nopeek.end_epoch()
+        if closed is not None:
+            logger.info("step %d ends an epoch: NoPeek (α=%g) mean dCor(features, embedding) %.4f over %d batches",
+                        step, self.nopeek.alpha, *closed)
+
+    def privacy_report(self, session: str) -> PrivacyReport:
+        """What this party's own privacy settings did so far: its ε spent, NoPeek's latest epoch's dCor."""
+        with self._lock:
+            report = self.dp.report(session) if self.dp is not None else PrivacyReport(session=session, enabled=False)
+            if self.nopeek is not None:
+                report = report.model_copy(update={
+                    "nopeek": self.nopeek.alpha, "dcor": self.nopeek.epochs[-1] if self.nopeek.epochs else None})
+            return report
 
     def _replay(self, grad: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
         step, last_grad, last_rows, out = self._last  # type: ignore[misc]
@@ -258,6 +299,8 @@ class BottomTrainer:
                 meta["dp_draws"] = self.dp._draws
             if self.monitor is not None:
                 meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
+            if self.nopeek is not None:
+                meta["nopeek"] = self.nopeek.state()
             if self.local is not None:
                 meta |= {"local": self.local.model_dump(), "cached": len(self._cache)}
                 for i, entry in enumerate(self._cache):
@@ -276,23 +319,27 @@ class BottomTrainer:
             if self.monitor is not None and "monitor" in meta:
                 self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
                 self.monitor.differences = list(meta["monitor"]["differences"])
+            if self.nopeek is not None and "nopeek" in meta:
+                self.nopeek.load_state(meta["nopeek"])
             self._cache.clear()
             for i in range(meta.get("cached", 0)):
                 self._cache.append(tuple(checkpoint.tensors[f"cache.{i}.{name}"] for name in ("rows", "grad", "z")))
             best = checkpoint.section("best")
             self._best = best or None
             rows = checkpoint.tensors.get("pending.rows")
-            self._pending, self._pending_index = None, None
+            self._pending, self._pending_index, self._pending_clean = None, None, None
             if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
                 self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
             elif rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
                 z = self.model(self.x.index_select(0, rows))
+                clean = z
                 if self.dp is not None:
-                    clipped = self.dp.clipped(z)
-                    z = clipped + (checkpoint.tensors["last.out"] - clipped).detach()
+                    clean = self.dp.clipped(z)
+                    z = clean + (checkpoint.tensors["last.out"] - clean).detach()
                 self._pending, self._pending_index = z, rows
+                self._pending_clean = clean if self.nopeek is not None else None
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:

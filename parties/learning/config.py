@@ -1,4 +1,4 @@
-"""A party's learning settings: its bottom model and optimizer, embedding DP, the hijack monitor.
+"""A party's learning settings: its bottom model and optimizer, embedding DP and NoPeek, the hijack monitor.
 
 Plain pydantic models, apart from the torch code that uses them, so the command lines and the
 settings classes can state their defaults without importing torch.
@@ -30,7 +30,10 @@ class BottomConfig(OptimizerConfig):
 
 
 class PrivacyConfig(BaseModel):
-    """A partner's own privacy settings (off unless ``clip`` is set)."""
+    """A partner's own privacy settings: embedding DP (off unless ``clip`` is set) and NoPeek (off at 0).
+
+    Either works without the other.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,6 +42,17 @@ class PrivacyConfig(BaseModel):
     delta: float = Field(1e-5, gt=0, lt=1)
     budget: float | None = Field(None, gt=0, description="refuse releases past this ε")
     seed: int = 0
+    nopeek: float = Field(0.0, ge=0, allow_inf_nan=False, description="weight α of α·dCor(features, embedding) "
+                          "added to this partner's own loss on each training batch (NoPeek; 0: off)")
+
+    @property
+    def embedding_dp(self) -> bool:
+        return self.clip is not None
+
+    @property
+    def active(self) -> bool:
+        """Whether any of these settings changes what the partner computes."""
+        return self.embedding_dp or self.nopeek > 0
 
 
 class MonitorConfig(BaseModel):

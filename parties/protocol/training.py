@@ -100,7 +100,8 @@ class RestoreRequest(Message):
 
 
 class PrivacyReport(Message):
-    """A partner's embedding-DP spend so far: the ε of its most-released row."""
+    """What a partner's own privacy settings did so far: its embedding-DP spend (``enabled``: DP is on; the ε of
+    its most-released row), and NoPeek's weight and the dCor it measured (both None when NoPeek is off)."""
 
     session: str
     enabled: bool
@@ -109,6 +110,9 @@ class PrivacyReport(Message):
     max_releases: int | None = None
     noise_multiplier: float | None = None
     budget: float | None = None
+    nopeek: float | None = Field(None, description="NoPeek's weight α")
+    dcor: float | None = Field(None, description="NoPeek: mean dCor(features, embedding) over the training batches "
+                               "of the last finished epoch")
 
 
 # --- tensor messages ---------------------------------------------------------------------------
