@@ -144,7 +144,7 @@ MEASURED = {
     "cross_epoch_direction_leak_auc", "model_completion_leak_auc", "model_completion_leak_auc_std",
     "from_scratch_leak_auc", "from_scratch_leak_auc_std", "model_completion_advantage",
     "model_completion_advantage_std", "known_labels", "completion_draws", "strongest_label_leak_auc",
-    "strongest_label_attack", "inversion_r2_advantage", "partner_epsilon", "label_dp_epsilon",
+    "strongest_gradient_leak_auc", "strongest_label_attack", "inversion_r2_advantage", "partner_epsilon", "label_dp_epsilon",
 }
 
 

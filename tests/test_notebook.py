@@ -22,6 +22,7 @@ import pytest
 
 from bank.lab.analysis import load_run
 from bank.lab.audit import label_leakage, model_completion
+from bank.lab.privacy_study import default_settings
 from parties.errors import DataError
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
@@ -174,7 +175,11 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     assert inversion["advantage"].max() > 0.2  # the embeddings reveal features the bank's columns do not
 
     privacy = pd.read_csv(study / "privacy_study.csv").set_index("setting")
-    assert len(privacy) == 8 and (audited_run / "privacy" / "privacy_tradeoff.png").stat().st_size > 10_000
+    assert list(privacy.index) == [s.name for s in default_settings()]
+    assert (audited_run / "privacy" / "privacy_tradeoff.png").stat().st_size > 10_000
+    (section5,) = [c for c in executed.cells if c.cell_type == "code" and "privacy_study(run)" in c.source]
+    shown = _text(section5)  # one table per defense, over its knob, with its cost
+    assert all(d in shown for d in ("label DP", "Marvell", "NoPeek", "embedding DP", "combined", "auc_cost"))
     attacks = ["norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc", "cross_epoch_direction_leak_auc",
                "model_completion_leak_auc"]
     assert (privacy["strongest_label_leak_auc"] == privacy[attacks].max(axis=1)).all()

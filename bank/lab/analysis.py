@@ -35,6 +35,7 @@ __all__ = [
     "learning_curves",
     "load_run",
     "party_times",
+    "privacy_frontiers",
     "privacy_study",
     "reliability_figure",
     "resolve_run",
@@ -278,9 +279,24 @@ def privacy_study(run: Run) -> dict[str, Any] | None:
     folder = run.path / "privacy"
     if not (folder / "privacy_study.csv").exists():
         return None
-    return {"table": pd.read_csv(folder / "privacy_study.csv"),
+    table = pd.read_csv(folder / "privacy_study.csv")
+    return {"table": table, "by_defense": privacy_frontiers(table),
             "hijack_monitor": pd.read_csv(folder / "hijack_monitor.csv"),
             "figure": folder / "privacy_tradeoff.png"}
+
+
+#: What the per-defense tables show: the knob, the price, and what still leaks.
+FRONTIER_COLUMNS = ["setting", "knob", "test_roc_auc", "auc_cost", "strongest_label_leak_auc", "strongest_label_attack",
+                    "strongest_gradient_leak_auc", "model_completion_advantage", "inversion_r2_advantage",
+                    "partner_epsilon"]
+
+
+def privacy_frontiers(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """One table per defense, its settings in order of its knob, each with its test-AUC cost against no defense."""
+    base = table.loc[table["defense"] == "no defense", "test_roc_auc"]
+    table = table.assign(auc_cost=(float(base.iloc[0]) if len(base) else float("nan")) - table["test_roc_auc"])
+    return {defense: part.sort_values("knob")[[c for c in FRONTIER_COLUMNS if c in part]].reset_index(drop=True)
+            for defense, part in table.groupby("defense", sort=False)}
 
 
 def cut_study(run: Run) -> dict[str, Any] | None:
