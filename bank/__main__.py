@@ -68,6 +68,10 @@ def _add_gradient_defense_arguments(parser: argparse.ArgumentParser | argparse._
                         help=f"bank, with --gradient-defense marvell: the noise power, in units of the squared "
                              f"distance between the classes' mean gradients (default "
                              f"{default_of(TrainingConfig, 'marvell_power')}; more: less leakage, slower learning)")
+    parser.add_argument("--marvell-persistence", type=float, default=None, metavar="RHO",
+                        help=f"bank, with --gradient-defense marvell: the share (0 to 1) of each row's noise drawn once "
+                             f"for the run, so that averaging a row's gradients over epochs does not remove it "
+                             f"(default {default_of(TrainingConfig, 'marvell_persistence')}; the per-batch bound is the same)")
 
 
 def _number(text: str) -> float:

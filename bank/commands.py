@@ -170,14 +170,19 @@ def _gradient_defense(args: argparse.Namespace) -> dict[str, object]:
     power = args.marvell_power
     if power is not None and not (math.isfinite(power) and power > 0):
         raise ConfigError(f"--marvell-power {power:g}: the noise power is a number above 0 (e.g. 4)")
-    return {"gradient_defense": args.gradient_defense, "gradient_noise": args.gradient_noise, "marvell_power": power}
+    persistence = args.marvell_persistence
+    if persistence is not None and not 0 <= persistence <= 1:
+        raise ConfigError(f"--marvell-persistence {persistence:g}: a share between 0 and 1 (e.g. 1)")
+    return {"gradient_defense": args.gradient_defense, "gradient_noise": args.gradient_noise, "marvell_power": power,
+            "marvell_persistence": persistence}
 
 
 def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingConfig:
     """Refuse a defense's knob given for another defense: it would change nothing, silently."""
-    if args.marvell_power is not None and config.gradient_defense != "marvell":
-        raise ConfigError(f"--marvell-power sets the power of --gradient-defense marvell, not of "
-                          f"{config.gradient_defense}: give --gradient-defense marvell too, or drop it")
+    for flag, value in (("--marvell-power", args.marvell_power), ("--marvell-persistence", args.marvell_persistence)):
+        if value is not None and config.gradient_defense != "marvell":
+            raise ConfigError(f"{flag} sets the {flag.removeprefix('--marvell-')} of --gradient-defense marvell, not "
+                              f"of {config.gradient_defense}: give --gradient-defense marvell too, or drop it")
     return config
 
 

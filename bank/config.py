@@ -61,6 +61,10 @@ class TrainingConfig(BaseModel):
         4.0, gt=0, allow_inf_nan=False, description="marvell: the noise power s; per batch, the noise's mean "
         "squared norm per row is at most s times the squared distance between the two classes' mean gradients",
     )
+    marvell_persistence: float = Field(
+        0.0, ge=0, le=1, description="marvell: the share of each row's noise drawn once for the whole run rather "
+        "than at every step; per batch the noise is the same, across epochs it no longer averages away",
+    )
     wire_precision: Literal["fp32", "fp16", "bf16", "int8"] = Field(
         "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
         "bit); fp16/bf16 halve the bytes, int8 (per-row scales) quarters them (parties/protocol/codec.py)",

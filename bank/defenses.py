@@ -148,6 +148,7 @@ def marvell_solve(u2: float, d: int, p: float, power: float, v: tuple[float, flo
 
 def marvell_perturb(
     grad: torch.Tensor, targets: torch.Tensor, power: float, generator: torch.Generator,
+    persistent: torch.Tensor | None = None, persistence: float = 0.0,
 ) -> tuple[torch.Tensor, MarvellNoise | None]:
     """One batch's gradients with Marvell's noise at power s = ``power``: P = s·‖ḡ₁ − ḡ₀‖².
 
@@ -156,6 +157,12 @@ def marvell_perturb(
     or with equal class means, has no direction to hide and comes back unchanged (``None``): within
     the batch nothing tells the classes apart by their mean, and the paper's bound is per batch —
     it says nothing about comparing rows across batches (nor across epochs).
+
+    ``persistent``: each row's own standard-normal draw, the same at every step, and ``persistence`` ρ
+    its share: the noise is drawn from √ρ·persistent + √(1−ρ)·fresh, still N(0, I) per row, so each
+    batch's noise has exactly the solved covariance and bound. What changes is across epochs: fresh
+    noise averages away over a row's E gradients (its variance falls as 1/E, which the cross-epoch
+    attacks exploit), the persistent share does not.
     """
     positive = targets.reshape(-1) > 0.5
     n, d = grad.shape
@@ -172,6 +179,9 @@ def marvell_perturb(
     noise = marvell_solve(u2, d, n1 / n, power * u2, v)  # type: ignore[arg-type]
     unit = diff / math.sqrt(u2)
     z = torch.randn(grad.shape, generator=generator, dtype=torch.float64)
+    if persistence > 0:  # still N(0, I) for every row at every step: the per-batch bound is unchanged
+        assert persistent is not None and persistent.shape == z.shape
+        z = math.sqrt(persistence) * persistent + math.sqrt(1.0 - persistence) * z
     on_axis = z @ unit
     rows = positive.long()
     sd_along = torch.tensor(noise.along, dtype=torch.float64).sqrt()[rows]
@@ -195,20 +205,37 @@ class GradientDefense:
     power: float = 4.0
     batch: int = 1 << 16
     seed: int = 0
+    persistence: float = 0.0
+    rows: int = 0  # how many rows there are (positions run below it): for each row's persistent draw
     worst_kl_: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    persistent_: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def _persistent(self, party: int, width: int) -> torch.Tensor:
+        """Every row's own standard-normal draw for ``party``: seeded by the run's seed and the party only, so a
+        resumed run draws the same."""
+        if party not in self.persistent_:
+            generator = torch.Generator().manual_seed(hash((self.seed, party, "persistent")) & 0x7FFF_FFFF_FFFF_FFFF)
+            self.persistent_[party] = torch.randn(self.rows, width, generator=generator, dtype=torch.float64)
+        return self.persistent_[party]
 
     @property
     def needs_labels(self) -> bool:
         return self.kind == "marvell"
 
-    def __call__(self, grad: torch.Tensor, targets: torch.Tensor | None, step: int, party: int) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor, targets: torch.Tensor | None, step: int, party: int,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind != "marvell":
             return perturb_gradient(grad, self.kind, self.noise, self.seed, step, party)
         assert targets is not None and len(targets) == len(grad)
         generator = _generator(self.seed, step, party)
+        if self.persistence > 0:
+            assert rows is not None and len(rows) == len(grad)
+            draws = self._persistent(party, grad.shape[1]).index_select(0, rows).split(self.batch)
+        else:
+            draws = (None,) * -(-len(grad) // self.batch)
         out = []
-        for g, t in zip(grad.split(self.batch), targets.split(self.batch)):
-            perturbed, noise = marvell_perturb(g, t, self.power, generator)
+        for g, t, own in zip(grad.split(self.batch), targets.split(self.batch), draws):
+            perturbed, noise = marvell_perturb(g, t, self.power, generator, own, self.persistence)
             out.append(perturbed)
             if noise is not None:
                 self.worst_kl_[party] = max(self.worst_kl_.get(party, 0.0), noise.kl)

@@ -89,7 +89,8 @@ class Coordinator(Recovery):
         if config.label_dp_epsilon is not None:
             self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, config.seed)
         self.defense = GradientDefense(config.gradient_defense, noise=config.gradient_noise, power=config.marvell_power,
-                                       batch=config.batch_size, seed=config.seed)
+                                       batch=config.batch_size, seed=config.seed,
+                                       persistence=config.marvell_persistence, rows=len(targets))
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
         self.top: torch.nn.Module | None = None
@@ -339,7 +340,7 @@ class Coordinator(Recovery):
                     reuse_due = self.config.reuse_steps > 0
                 # Marvell hides the labels the loss saw: after label DP, if on.
                 labels = self.train_targets.index_select(0, rows) if self.defense.needs_labels else None
-                loop.grads = [mine] + [self.defense(g, labels, loop.step, k) for k, g in enumerate(theirs, start=1)]
+                loop.grads = [mine] + [self.defense(g, labels, loop.step, k, rows) for k, g in enumerate(theirs, start=1)]
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
                         self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)

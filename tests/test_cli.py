@@ -227,7 +227,12 @@ def test_impossible_local_steps_at_the_command_line_are_one_line(tmp_path: Path,
     (["--gradient-defense", "isotropic", "--marvell-power", "2"],
      "error: --marvell-power sets the power of --gradient-defense marvell, not of isotropic: give "
      "--gradient-defense marvell too, or drop it"),
-], ids=["zero", "infinite", "other-defense"])
+    (["--gradient-defense", "marvell", "--marvell-persistence", "1.5"],
+     "error: --marvell-persistence 1.5: a share between 0 and 1 (e.g. 1)"),
+    (["--gradient-defense", "max_norm", "--marvell-persistence", "1"],
+     "error: --marvell-persistence sets the persistence of --gradient-defense marvell, not of max_norm: give "
+     "--gradient-defense marvell too, or drop it"),
+], ids=["zero", "infinite", "other-defense", "persistence-range", "persistence-other-defense"])
 def test_an_impossible_marvell_power_is_one_line_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str], message: str,
 ) -> None:

@@ -192,3 +192,36 @@ def test_marvell_training_is_reproducible_with_local_steps(bank_full: Path, tmp_
     assert torch.equal(*runs)
     plain = fed.coordinator(config.model_copy(update={"gradient_defense": "none"})).run()
     assert not torch.equal(runs[0], plain.audit.tensors()["gradients-partner"]["grads"])
+
+
+def _noise_over_epochs(persistence: float, epochs: int = 16) -> torch.Tensor:
+    """The noise each of 512 rows gets at each of ``epochs`` steps, same gradients and labels every time."""
+    generator = torch.Generator().manual_seed(5)
+    grad = torch.randn(512, 8, generator=generator)
+    targets = (torch.rand(512, generator=generator) < 0.2).float()
+    grad[targets == 1] += 1.0
+    rows = torch.randperm(2000, generator=generator)[:512]
+    defense = GradientDefense("marvell", power=4.0, seed=3, persistence=persistence, rows=2000)
+    return torch.stack([defense(grad, targets, step, 1, rows) - grad for step in range(epochs)])
+
+
+def test_persistent_noise_keeps_each_steps_noise_but_does_not_average_away_across_epochs() -> None:
+    fresh, persistent, half = (_noise_over_epochs(rho) for rho in (0.0, 1.0, 0.5))
+    # Each step's noise has the same spread whatever the persistence: the per-batch bound is unchanged.
+    for noise in (persistent, half):
+        assert noise[0].pow(2).mean().item() == pytest.approx(fresh[0].pow(2).mean().item(), rel=0.15)
+    # Averaged over 16 epochs, fresh noise shrinks about 16-fold in power; persistent noise does not shrink.
+    power = {name: n.mean(dim=0).pow(2).mean().item() / n[0].pow(2).mean().item()
+             for name, n in (("fresh", fresh), ("persistent", persistent), ("half", half))}
+    assert power["fresh"] < 0.12
+    assert power["persistent"] > 0.9
+    assert 0.4 < power["half"] < 0.65  # ρ + (1 − ρ)/16
+
+
+def test_no_persistence_is_the_defense_as_it_was() -> None:
+    generator = torch.Generator().manual_seed(1)
+    grad, targets = torch.randn(300, 4, generator=generator), (torch.rand(300, generator=generator) < 0.3).float()
+    rows = torch.arange(300)
+    plain = GradientDefense("marvell", power=2.0, seed=9)(grad, targets, 7, 1)
+    zero = GradientDefense("marvell", power=2.0, seed=9, persistence=0.0, rows=300)(grad, targets, 7, 1, rows)
+    assert torch.equal(plain, zero)

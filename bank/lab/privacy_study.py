@@ -44,8 +44,8 @@ from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
 
 __all__ = [
-    "GRADIENT_ATTACKS", "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates", "measure",
-    "run_study", "tradeoff_figure",
+    "GRADIENT_ATTACKS", "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates",
+    "leak", "measure", "run_study", "tradeoff_figure",
 ]
 
 #: The partner's bottom in the study unless a sweep gives another.
@@ -85,6 +85,10 @@ def default_settings() -> list[Setting]:
                   defense="isotropic noise", knob=k) for k in (1.0, 4.0)),
         *(Setting(f"Marvell (s={k:g})", {"gradient_defense": "marvell", "marvell_power": k}, defense="Marvell", knob=k)
           for k in (0.25, 1.0, 4.0, 16.0)),
+        # The same noise per batch, but each row's drawn once for the run: averaging over epochs keeps it.
+        *(Setting(f"Marvell persistent (s={k:g}, ρ=1)", {"gradient_defense": "marvell", "marvell_power": k,
+                                                        "marvell_persistence": 1.0}, defense="Marvell, persistent", knob=k)
+          for k in (1.0, 4.0, 16.0)),
         *(Setting(f"embedding DP (C=1, σ={k:g})", privacy=PrivacyConfig(clip=1.0, noise=k), defense="embedding DP",
                   knob=k) for k in (0.5, 2.0)),
         # Past α ≈ 0.1 NoPeek falls off a cliff (it silences the bottom's ReLU outputs): the sweep stays below.
@@ -92,8 +96,9 @@ def default_settings() -> list[Setting]:
           for k in (0.01, 0.03, 0.05, 0.1)),
         Setting("Marvell (s=4) + label DP (ε=1)", {"gradient_defense": "marvell", "marvell_power": 4.0,
                                                     "label_dp_epsilon": 1.0}, defense="combined"),
-        Setting("Marvell (s=16) + label DP (ε=3)", {"gradient_defense": "marvell", "marvell_power": 16.0,
-                                                     "label_dp_epsilon": 3.0}, defense="combined"),
+        Setting("Marvell persistent (s=1) + label DP (ε=3)", {"gradient_defense": "marvell", "marvell_power": 1.0,
+                                                               "marvell_persistence": 1.0, "label_dp_epsilon": 3.0},
+                defense="combined"),
         # Embedding noise this small is obfuscation, not DP (ε in the thousands): the ε column says so.
         Setting("NoPeek (α=0.05) + embedding noise (C=4, σ=0.4)", privacy=PrivacyConfig(nopeek=0.05, clip=4.0, noise=0.4),
                 defense="combined"),
@@ -145,6 +150,12 @@ def _inversion_advantage(fed: Federation, coordinator: Coordinator, record: dict
     return float(np.mean([r["advantage"] for r in rows]))
 
 
+def leak(auc: float) -> float:
+    """What an attack's leak AUC says leaks: a reversed ranking (AUC below 0.5) tells the classes apart as well as
+    the ranking it reverses, so the strongest-attack columns count max(AUC, 1 − AUC)."""
+    return max(auc, 1.0 - auc)
+
+
 def measure(
     fed: Federation, training: TrainingConfig, privacy: PrivacyConfig | None = None,
     partner_bottom: BottomConfig | None = None, *, known_labels: int = 50, draws: int = 5, seed: int = 0,
@@ -185,12 +196,12 @@ def measure(
         "cross_epoch_direction_leak_auc": pooled["direction_leak_auc"],
         **completion,
     }
-    strongest = max(LABEL_ATTACKS, key=lambda c: row[c])
+    strongest = max(LABEL_ATTACKS, key=lambda c: leak(row[c]))
     row |= {
-        "strongest_label_leak_auc": row[strongest],
+        "strongest_label_leak_auc": leak(row[strongest]),
         "strongest_label_attack": strongest.removesuffix("_leak_auc"),
         # What the gradients alone give away: the attacks a gradient defense can act on.
-        "strongest_gradient_leak_auc": max(row[c] for c in GRADIENT_ATTACKS),
+        "strongest_gradient_leak_auc": max(leak(row[c]) for c in GRADIENT_ATTACKS),
         "inversion_r2_advantage": _inversion_advantage(fed, coordinator, tensors["embeddings-partner"], seed),
         # ε after the last epoch's training and validation releases (δ = 1e-5); inf: no embedding DP.
         "partner_epsilon": outcome.history[-1].get("epsilon_partner", math.inf),
