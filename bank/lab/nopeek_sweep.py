@@ -2,7 +2,7 @@
 
 SIMULATION ONLY (it reads every party's file), like ``bank.lab.privacy_study``, whose ``run_study`` it calls:
 
-    python scripts/nopeek_study.py --out runs/nopeek-study --alphas 0.1 0.3 1 3 --seeds 0 1 2
+    python -m bank.lab.nopeek_sweep --out runs/nopeek-study --alphas 0.1 0.3 1 3 --seeds 0 1 2
 
 Each (setting, seed) is one training run of the study's bank-marketing slice (default 8000 rows, 8 epochs);
 ``--dp 2:0.2`` adds embedding DP at clip C = 2 and noise σ = 0.2, alone and with NoPeek at each of
@@ -19,6 +19,8 @@ import pandas as pd
 
 from bank.lab.privacy_study import Setting, run_study
 from parties.learning.config import PrivacyConfig
+
+__all__ = ["main", "settings", "summary"]
 
 
 def settings(alphas: list[float], dp: list[tuple[float, float]], dp_alphas: list[float], seeds: list[int],
@@ -38,7 +40,7 @@ def settings(alphas: list[float], dp: list[tuple[float, float]], dp_alphas: list
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per setting, over seeds: mean test AUC, its cost against no defense (same seed), mean inversion advantage."""
-    table = table.assign(defense=table["setting"].str.split(" | ", regex=False).str[0],
+    table = table.assign(defense=table["setting"].str.split(" | ", regex=False).str[0],  # the name, not the family
                          seed=table["setting"].str.split(" | seed ", regex=False).str[1].astype(int))
     base = table[table.defense == "no defense"].set_index("seed")["test_roc_auc"]
     table["auc_cost"] = table["seed"].map(base) - table["test_roc_auc"]
@@ -66,8 +68,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args()
     dp = [tuple(float(v) for v in spec.split(":")) for spec in args.dp]
-    table = run_study(args.out, rows=args.rows, epochs=args.epochs, settings=settings(args.alphas, dp, args.alphas if args.dp_alphas is None else args.dp_alphas, args.seeds),
-                      cache=args.cache_dir, download=False, progress=lambda name: print(name, flush=True))
+    chosen = settings(args.alphas, dp, args.alphas if args.dp_alphas is None else args.dp_alphas, args.seeds)
+    table = run_study(args.out, rows=args.rows, epochs=args.epochs, settings=chosen, cache=args.cache_dir,
+                      download=False, progress=lambda name: print(name, flush=True))
     result = summary(table)
     result.to_csv(args.out / "nopeek_summary.csv")
     with pd.option_context("display.width", 200, "display.float_format", lambda v: f"{v:.4f}" if math.isfinite(v) else "–"):
