@@ -42,6 +42,11 @@ def randomized_response(targets: torch.Tensor, rows: np.ndarray, epsilon: float,
     return out
 
 
+#: Keeps the persistent draws' seeds apart from the per-step ones (``_generator``); an int, so it hashes alike in
+#: every process.
+_PERSISTENT = -7331
+
+
 def _generator(seed: int, step: int, party: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, step, party)) & 0x7FFF_FFFF_FFFF_FFFF)
 
@@ -214,7 +219,8 @@ class GradientDefense:
         """Every row's own standard-normal draw for ``party``: seeded by the run's seed and the party only, so a
         resumed run draws the same."""
         if party not in self.persistent_:
-            generator = torch.Generator().manual_seed(hash((self.seed, party, "persistent")) & 0x7FFF_FFFF_FFFF_FFFF)
+            # Integers only: a str in the tuple would hash differently in every process (PYTHONHASHSEED).
+            generator = torch.Generator().manual_seed(hash((self.seed, party, _PERSISTENT)) & 0x7FFF_FFFF_FFFF_FFFF)
             self.persistent_[party] = torch.randn(self.rows, width, generator=generator, dtype=torch.float64)
         return self.persistent_[party]
 

@@ -225,3 +225,25 @@ def test_no_persistence_is_the_defense_as_it_was() -> None:
     plain = GradientDefense("marvell", power=2.0, seed=9)(grad, targets, 7, 1)
     zero = GradientDefense("marvell", power=2.0, seed=9, persistence=0.0, rows=300)(grad, targets, 7, 1, rows)
     assert torch.equal(plain, zero)
+
+
+def test_persistent_noise_is_the_same_in_every_process(tmp_path: Path) -> None:
+    """The run's persistent draws come from the seed alone: a restarted bank (another process, another hash seed)
+    draws the same, so a resumed run and a rerun give the same model."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch; from bank.defenses import GradientDefense\n"
+        "g = torch.Generator().manual_seed(0); grad = torch.randn(64, 4, generator=g)\n"
+        "t = (torch.arange(64) % 3 == 0).float()\n"
+        "d = GradientDefense('marvell', power=2.0, seed=5, persistence=1.0, rows=100)\n"
+        "print(d(grad, t, 3, 1, torch.arange(64) + 10).sum().item().hex())\n"
+    )
+    outputs = {
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                       env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout
+        for h in (1, 2, 3)
+    }
+    assert len(outputs) == 1, outputs
