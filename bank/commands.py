@@ -268,10 +268,16 @@ def cut_study(args: argparse.Namespace) -> int:
 
 
 def privacy_study(args: argparse.Namespace) -> int:
-    from bank.lab.privacy_study import hijack_rates, run_study
+    from bank.lab.privacy_study import default_settings, hijack_rates, run_study
 
-    table = run_study(args.out, rows=args.rows, epochs=args.epochs, cache=args.cache_dir,
-                      known_labels=args.known_labels, progress=lambda name: print(f"... {name}", file=sys.stderr))
+    for flag, value in (("--rows", args.rows), ("--epochs", args.epochs), ("--hijack-runs", args.hijack_runs)):
+        if value is not None and value < 1:  # before any training: a study is minutes of work
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    settings = default_settings()
+    counter = iter(range(1, len(settings) + 1))
+    table = run_study(args.out, rows=args.rows, epochs=args.epochs, settings=settings, cache=args.cache_dir,
+                      known_labels=args.known_labels,
+                      progress=lambda name: print(f"... {next(counter)}/{len(settings)} {name}", file=sys.stderr))
     rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
     print(table.to_string(index=False))
     print()

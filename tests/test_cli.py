@@ -245,3 +245,11 @@ def test_train_takes_the_gradient_defense_flags(capsys: pytest.CaptureFixture[st
     code, out, _ = _bank(["train", "--print-config", "--gradient-defense", "marvell", "--marvell-power", "2"], capsys)
     shown = json.loads(out)
     assert code == 0 and (shown["gradient_defense"], shown["marvell_power"]) == ("marvell", 2.0)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--hijack-runs", "0"), ("--epochs", "0"), ("--rows", "0")])
+def test_the_privacy_study_refuses_impossible_counts_before_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    code, _, err = _bank(["privacy-study", "--out", str(tmp_path / "study"), flag, value], capsys)
+    assert code == 2 and err.strip().splitlines() == [f"error: {flag} must be at least 1, got {value}"]
+    assert not (tmp_path / "study").exists()  # refused before any work
