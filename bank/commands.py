@@ -179,10 +179,13 @@ def _gradient_defense(args: argparse.Namespace) -> dict[str, object]:
 
 def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingConfig:
     """Refuse a defense's knob given for another defense: it would change nothing, silently."""
-    for flag, value in (("--marvell-power", args.marvell_power), ("--marvell-persistence", args.marvell_persistence)):
-        if value is not None and config.gradient_defense != "marvell":
-            raise ConfigError(f"{flag} sets the {flag.removeprefix('--marvell-')} of --gradient-defense marvell, not "
-                              f"of {config.gradient_defense}: give --gradient-defense marvell too, or drop it")
+    knobs = (("--marvell-power", "power", args.marvell_power, "marvell"),
+             ("--marvell-persistence", "persistence", args.marvell_persistence, "marvell"),
+             ("--gradient-noise", "noise scale", args.gradient_noise, "isotropic"))
+    for flag, knob, value, defense in knobs:
+        if value is not None and config.gradient_defense != defense:
+            raise ConfigError(f"{flag} sets the {knob} of --gradient-defense {defense}, not of "
+                              f"{config.gradient_defense}: give --gradient-defense {defense} too, or drop it")
     return config
 
 

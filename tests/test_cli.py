@@ -232,7 +232,10 @@ def test_impossible_local_steps_at_the_command_line_are_one_line(tmp_path: Path,
     (["--gradient-defense", "max_norm", "--marvell-persistence", "1"],
      "error: --marvell-persistence sets the persistence of --gradient-defense marvell, not of max_norm: give "
      "--gradient-defense marvell too, or drop it"),
-], ids=["zero", "infinite", "other-defense", "persistence-range", "persistence-other-defense"])
+    (["--gradient-noise", "2"],
+     "error: --gradient-noise sets the noise scale of --gradient-defense isotropic, not of none: give "
+     "--gradient-defense isotropic too, or drop it"),
+], ids=["zero", "infinite", "other-defense", "persistence-range", "persistence-other-defense", "noise-other-defense"])
 def test_an_impossible_marvell_power_is_one_line_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str], message: str,
 ) -> None:

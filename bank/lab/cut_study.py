@@ -211,7 +211,7 @@ def frontier_figure(table: pd.DataFrame) -> plt.Figure:
         ("bytes_per_step", "bytes per training step (fp32, both directions)", True),
         # Not the strongest attack: the direction attack reads the labels at 1.0 whatever the cut (the gradient's
         # sign carries them); what the cut changes is what the partner's trained bottom gives model completion.
-        ("model_completion_leak_auc", "label leak AUC of model completion (the strongest attack: 1.0 at every cut)",
+        ("model_completion_leak_auc", "label leak AUC of model completion (the direction attack: 1.0 at every cut)",
          False),
         ("inversion_r2_advantage", "embedding-inversion R² advantage (0: nothing leaks)", False),
     )
@@ -223,6 +223,9 @@ def frontier_figure(table: pd.DataFrame) -> plt.Figure:
         for axis, colour in colours.items():
             at = (table["axis"] == axis).to_numpy()
             ax.scatter(x[at], auc[at], s=50, color=colour, label=axis)
+        for xi, yi, point in zip(x, auc, table["point"]):  # "64 → [4] → 32": which cut each dot is
+            ax.annotate(point.removeprefix("partner ").removesuffix(" top"), (xi, yi), textcoords="offset points",
+                        xytext=(4, 3), fontsize=6, color="dimgrey")
         front = _pareto(x, auc)
         ax.plot(x[front], auc[front], color="grey", linestyle="--", linewidth=1, label="frontier")
         default = table["default"].to_numpy(dtype=bool)
@@ -234,7 +237,7 @@ def frontier_figure(table: pd.DataFrame) -> plt.Figure:
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set(xlabel=label)
     axes[0].set(ylabel="test ROC-AUC")
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=8, loc="center right")
     fig.suptitle("where to cut: accuracy against traffic and exposure (one dot per cut)")
     fig.tight_layout()
     return fig
