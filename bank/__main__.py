@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import get_args
 
-from bank import commands
+from bank import commands, lab_commands
 from bank.config import GradientDefenseName, TopConfig, TrainingConfig
 from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
 from parties.learning.config import BottomConfig
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(sc)
 
     r = command(sub, "report", "write a run's analysis (tables as CSV, figures as PNG) without the notebook",
-                handler=commands.report)
+                handler=lab_commands.report)
     r.add_argument("run", type=Path, nargs="?", default=None,
                    help="run folder, relative to here or a folder above (default: the latest under runs/, here or above)")
     r.add_argument("--no-references", action="store_true", help="skip the centralised references (simulation)")
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ss = command(sub, "subset-study", "customers no partner holds: the bank-only model's choice, and whether "
                                       "unaligned customers help the joint model (simulation only)",
-                 handler=commands.subset_study)
+                 handler=lab_commands.subset_study)
     ss.add_argument("run", type=Path, nargs="?", default=None,
                     help="run folder (default: the latest under runs/, here or above)")
     ss.add_argument("--seeds", type=int, default=3, help="how many batch seeds (0 to N-1) to train the joint model with (default %(default)s)")
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(ss)
 
     ps = command(sub, "privacy-study", "measure every defense's price and effect (simulation only)",
-                 handler=commands.privacy_study)
+                 handler=lab_commands.privacy_study)
     ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
     ps.add_argument("--epochs", type=int, default=10, help="epochs per setting (default %(default)s)")
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cs = command(sub, "cut-study", "sweep the cut layer (width, partner depth, where the partner stops): test AUC, "
                                    "bytes, compute and every leak per point (simulation only)",
-                 handler=commands.cut_study)
+                 handler=lab_commands.cut_study)
     cs.add_argument("--out", type=Path, required=True, help="folder for cut_study.csv and cut_frontier.png")
     cs.add_argument("--rows", type=int, default=0,
                     help="a seeded slice of N customers; 0: all of bank-full (default %(default)s)")
@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(cs)
 
-    b = command(sub, "bench", "time split training against the unsplit model, side by side", handler=commands.bench)
+    b = command(sub, "bench", "time split training against the unsplit model, side by side",
+                handler=lab_commands.bench)
     b.add_argument("--epochs", type=int, default=4, help="epochs per round (default %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(b)
 
     pb = command(sub, "psi-bench", "run both PSI roles here over mutual TLS and report time, bytes and rates",
-                 handler=commands.psi_bench)
+                 handler=lab_commands.psi_bench)
     pb.add_argument("--size", type=int, default=1 << 16,
                     help="IDs per party (default %(default)s; the target is 1048576)")
     pb.add_argument("--overlap", type=float, default=0.5,
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(pb)
 
     sb = command(sub, "scale-bench", "generate a synthetic bank and N partners, run them end to end as services, "
-                                     "and time every stage", handler=commands.scale_bench)
+                                     "and time every stage", handler=lab_commands.scale_bench)
     sb.add_argument("--customers", type=int, default=1_000_000, help="the bank's customers (default %(default)s)")
     sb.add_argument("--partners", type=int, default=3, help="partner services (default %(default)s)")
     sb.add_argument("--epochs", type=int, default=2, help="training epochs (default %(default)s)")

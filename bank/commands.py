@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "bench", "cut_study", "privacy_study", "psi_bench", "report", "scale_bench", "score", "serve", "sessions", "subset_study", "train",
-    "walkthrough",
+    "print_scoring", "print_summary", "align", "score", "serve", "sessions", "train", "walkthrough",
 ]
 
 
@@ -224,132 +223,7 @@ def _misplaced(key: str) -> str:
 # --- the lab's commands: simulation and study tooling -------------------------------------------------------
 
 
-def report(args: argparse.Namespace) -> int:
-    from bank.lab.analysis import load_run, write_report
-
-    run = load_run(args.run)
-    written = write_report(run, references=not args.no_references, partition=args.partition)
-    for name, table in written["tables"].items():
-        print(f"\n== {name}\n{table.to_string(index=False)}")
-    for note in written["notes"]:
-        print(f"\n{note}")
-    print(f"\nwritten to {run.path / 'analysis'}")
-    return 0
-
-
-def subset_study(args: argparse.Namespace) -> int:
-    from bank.lab.analysis import load_run
-    from bank.lab.subset_study import run_subset_study
-
-    run = load_run(args.run)
-    tables = run_subset_study(run, seeds=args.seeds, partition=args.partition)
-    (run.path / "analysis").mkdir(exist_ok=True)
-    for name, table in tables.items():
-        table.to_csv(run.path / "analysis" / f"subset_study_{name}.csv", index=False)
-        print(f"\n== {name}\n{table.to_string(index=False, float_format=lambda v: f'{v:.4f}')}")
-    print(f"\nwritten to {run.path / 'analysis'}")
-    return 0
-
-
-def cut_study(args: argparse.Namespace) -> int:
-    from bank.lab.cut_study import default_grid, run_cut_study
-
-    for flag, value in (("--rows", args.rows), ("--epochs", args.epochs), ("--known-labels", args.known_labels)):
-        if value < (0 if flag == "--rows" else 1):
-            raise ConfigError(f"{flag} must be {'0 or more' if flag == '--rows' else 'at least 1'}, got {value}")
-    grid = default_grid()
-    print(f"cut study: {len(grid)} points, {args.epochs} epochs each, "
-          f"{'all customers' if not args.rows else f'{args.rows:,} customers'}", file=sys.stderr)
-    table = run_cut_study(args.out, rows=args.rows or None, epochs=args.epochs, grid=grid,
-                          known_labels=args.known_labels, cache=args.cache_dir,
-                          progress=lambda line: print(f"... {line}", file=sys.stderr))
-    shown = ["point", "test_roc_auc", "bytes_per_step", "partner_ms_per_step", "bank_ms_per_step",
-             "strongest_label_leak_auc", "inversion_r2_advantage"]
-    print(table[[c for c in shown if c in table]].to_string(index=False))
-    print(f"\nwritten to {args.out}")
-    return 0
-
-
-def privacy_study(args: argparse.Namespace) -> int:
-    from bank.lab.privacy_study import default_settings, hijack_rates, run_study
-
-    for flag, value in (("--rows", args.rows), ("--epochs", args.epochs), ("--hijack-runs", args.hijack_runs)):
-        if value is not None and value < 1:  # before any training: a study is minutes of work
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
-    settings = default_settings()
-    counter = iter(range(1, len(settings) + 1))
-    table = run_study(args.out, rows=args.rows, epochs=args.epochs, settings=settings, cache=args.cache_dir,
-                      known_labels=args.known_labels,
-                      progress=lambda name: print(f"... {next(counter)}/{len(settings)} {name}", file=sys.stderr))
-    rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
-    print(table.to_string(index=False))
-    print()
-    print(rates.to_string(index=False))
-    print(f"\nwritten to {args.out}")
-    return 0
-
-
-def bench(args: argparse.Namespace) -> int:
-    from bank.lab.bench import bench_json, format_bench, run_training_bench
-
-    if args.rtt_ms is not None or args.rate_mbit is not None:
-        return _wan_bench(args)
-    if args.congestion is not None or args.target_auc is not None or args.modes is not None:
-        raise ConfigError("--congestion, --target-auc and --modes belong to the WAN bench: give --rtt-ms "
-                          "(and --rate-mbit)")
-    figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
-                                 progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                 batch_size=args.batch_size, wire_precision=args.wire_precision)
-    print(format_bench(figures))
-    if args.json:
-        args.json.write_text(bench_json(figures) + "\n")
-    return 0
-
-
-def _wan_bench(args: argparse.Namespace) -> int:
-    from bank.lab.wan_bench import DEFAULT_TARGET_AUC, WAN_MODES, format_wan_bench, run_wan_bench, wan_bench_json
-
-    if args.wire_precision is not None:
-        raise ConfigError("the WAN bench compares its modes (exact, int8, efficient) side by side: leave out "
-                          "--wire-precision and choose them with --modes")
-    names = list(WAN_MODES) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in WAN_MODES]
-    if unknown or not names:
-        raise ConfigError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(WAN_MODES)}")
-    figures = run_wan_bench(args.rtt_ms or 0.0, args.rate_mbit, args.congestion,
-                            args.target_auc if args.target_auc is not None else DEFAULT_TARGET_AUC,
-                            args.epochs, args.rows, args.cache_dir, rounds=args.rounds, batch_size=args.batch_size,
-                            modes={m: WAN_MODES[m] for m in names},
-                            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_wan_bench(figures))
-    if args.json:
-        args.json.write_text(wan_bench_json(figures) + "\n")
-    return 0
-
-
-def psi_bench(args: argparse.Namespace) -> int:
-    from bank.lab.psi_bench import format_result, run_bench, to_json
-    from parties.storage.files import atomic_write_text
-
-    result = run_bench(args.size, args.overlap, args.seed, args.workers)
-    print(format_result(result))
-    if args.json:
-        atomic_write_text(args.json, to_json(result) + "\n")
-    return 0
-
-
 # --- the walkthrough: every party on this machine, end to end -----------------------------------------------
-
-
-def scale_bench(args: argparse.Namespace) -> int:
-    from bank.lab.scale_bench import format_scale_bench, run_scale_bench, scale_bench_json
-
-    figures = run_scale_bench(args.customers, args.partners, args.epochs, sequential=args.sequential, seed=args.seed,
-                              out=args.out, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_scale_bench(figures))
-    if args.json is not None:
-        args.json.write_text(scale_bench_json(figures) + "\n")
-    return 0
 
 
 def _check_partner_privacy(args: argparse.Namespace) -> None:
