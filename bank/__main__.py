@@ -217,15 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     ps = command(sub, "privacy-study", "measure every defense's price and effect (simulation only)",
                  handler=lab_commands.privacy_study)
-    ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv, hijack_monitor.csv, PNG")
+    ps.add_argument("--out", type=Path, required=True, help="folder for privacy_study.csv and its PNG")
     ps.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")
     ps.add_argument("--epochs", type=int, default=10, help="epochs per setting (default %(default)s)")
     ps.add_argument("--known-labels", type=_known_labels, default=50, metavar="N",
                     help="model completion: training rows whose labels the partner has learned (default %(default)s)")
-    ps.add_argument("--hijack-runs", type=int, default=5,
-                    help="honest and hijacking runs each, for the monitor's rates (default %(default)s)")
     ps.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(ps)
+
+    hs = command(sub, "hijack-study", "the partner's hijack monitor against banks that know it: detection, false "
+                                      "alarms and how well each attack still works (simulation only)",
+                 handler=lab_commands.hijack_study)
+    hs.add_argument("--out", type=Path, required=True,
+                    help="folder for hijack_runs.csv, hijack_study.csv and hijack_monitor_cost.csv")
+    hs.add_argument("--runs", type=int, default=20, help="seeded runs per bank, seeds 0 to N-1 (default %(default)s)")
+    hs.add_argument("--rows", type=int, default=5000, help="customers in the seeded slice (default %(default)s)")
+    hs.add_argument("--epochs", type=int, default=17, help="epochs per run (default %(default)s)")
+    hs.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    _add_log_level(hs)
 
     cs = command(sub, "cut-study", "sweep the cut layer (width, partner depth, where the partner stops): test AUC, "
                                    "bytes, compute and every leak per point (simulation only)",
@@ -313,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-budget", type=float, default=None, help="partners: refuse releases past this ε")
     d.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",
                    help="partners: NoPeek, ALPHA x dCor(features, embedding) added to their own loss")
-    d.add_argument("--hijack-probe-every", type=int, default=None, help="partners: hijack monitor probe interval")
+    d.add_argument("--hijack-monitor", action="store_true", default=None, help="partners: the hijack monitor's rank test")
+    d.add_argument("--hijack-probe-every", type=int, default=None, help="partners: hijack monitor copy-probe interval")
     d.add_argument("--label-dp-epsilon", type=float, default=None, help="bank: randomized-response label DP ε")
     _add_gradient_defense_arguments(d)
     _add_log_level(w)

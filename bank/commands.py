@@ -252,6 +252,8 @@ def walkthrough(args: argparse.Namespace) -> int:
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
         ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
+    if args.hijack_monitor:
+        partner_args.append("--hijack-monitor")
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
                           cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,

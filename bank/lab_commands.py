@@ -12,7 +12,7 @@ import sys
 
 from parties.errors import ConfigError
 
-__all__ = ["bench", "cut_study", "privacy_study", "psi_bench", "report", "scale_bench", "subset_study"]
+__all__ = ["bench", "cut_study", "hijack_study", "privacy_study", "psi_bench", "report", "scale_bench", "subset_study"]
 
 
 def report(args: argparse.Namespace) -> int:
@@ -62,22 +62,41 @@ def cut_study(args: argparse.Namespace) -> int:
 
 
 def privacy_study(args: argparse.Namespace) -> int:
-    from bank.lab.privacy_study import default_settings, hijack_rates, run_study
+    from bank.lab.privacy_study import default_settings, run_study
 
-    for flag, value in (("--rows", args.rows), ("--epochs", args.epochs), ("--hijack-runs", args.hijack_runs)):
-        if value is not None and value < 1:  # before any training: a study is minutes of work
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    _at_least_one(("--rows", args.rows), ("--epochs", args.epochs))
     settings = default_settings()
     counter = iter(range(1, len(settings) + 1))
     table = run_study(args.out, rows=args.rows, epochs=args.epochs, settings=settings, cache=args.cache_dir,
                       known_labels=args.known_labels,
                       progress=lambda name: print(f"... {next(counter)}/{len(settings)} {name}", file=sys.stderr))
-    rates = hijack_rates(args.out, runs=args.hijack_runs, cache=args.cache_dir)
     print(table.to_string(index=False))
-    print()
-    print(rates.to_string(index=False))
     print(f"\nwritten to {args.out}")
     return 0
+
+
+def hijack_study(args: argparse.Namespace) -> int:
+    from bank.lab.hijack_study import StudyConfig, format_study, monitor_cost, run_hijack_study
+
+    _at_least_one(("--runs", args.runs), ("--rows", args.rows), ("--epochs", args.epochs))
+    config = StudyConfig(rows=args.rows, epochs=args.epochs)
+    counter = iter(range(1, 10))
+    result = run_hijack_study(args.out, runs=args.runs, config=config, cache=args.cache_dir,
+                              progress=lambda name: print(f"... {next(counter)}/9 {name}: {args.runs} runs",
+                                                          file=sys.stderr))
+    cost = monitor_cost()
+    cost.to_csv(args.out / "hijack_monitor_cost.csv", index=False)
+    print(format_study(result["study"], config, args.runs))
+    print("\nthe partner's cost of the rank test, next to an unmonitored partner (same steps, interleaved):")
+    print(cost.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def _at_least_one(*flags: tuple[str, int | None]) -> None:
+    for flag, value in flags:
+        if value is not None and value < 1:  # before any training: a study is minutes of work
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
 def bench(args: argparse.Namespace) -> int:

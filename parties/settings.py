@@ -163,7 +163,7 @@ class PartnerSettings(ServiceSettings):
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig,
                                    description="embedding DP (off without a clip) and NoPeek (off at 0)")
-    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off at probe_every=0)")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
     max_training_sessions: int = Field(2, ge=1, description="live training sessions at once")
     training_session_ttl: float = Field(
         3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"
@@ -232,6 +232,7 @@ _FLAGS = {
     "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
     "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.delta": "--dp-delta",
     "privacy.budget": "--dp-budget", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
+    "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank",
 }
 
 

@@ -38,8 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "of each training batch to its own loss, so the bank decodes less of the features; "
                         "costs some accuracy (more at larger ALPHA) and O(batch size squared) compute per update "
                         f"(default {default_of(PrivacyConfig, 'nopeek')}: off)")
+    s.add_argument("--hijack-monitor", action="store_true", default=None,
+                   help="watch for a hijacking bank with the rank test: read every gradient the bank returns and "
+                        "stop when they move more directions than the task can (no extra bytes; training "
+                        "unchanged unless it alarms)")
+    s.add_argument("--hijack-task-rank", type=int, default=None, metavar="K",
+                   help="the rank test's task output width: 1 for a binary or regression task, the number of "
+                        f"classes for a multiclass one (default {default_of(MonitorConfig, 'task_rank')})")
     s.add_argument("--hijack-probe-every", type=int, default=None,
-                   help=f"watch for a hijacking bank: probe every N steps "
+                   help=f"watch for a hijacking bank with copy probes every N steps (a bank that knows them evades them) "
                         f"(default {default_of(MonitorConfig, 'probe_every')}: off)")
     return parser
 
@@ -68,7 +75,8 @@ def serve(args: argparse.Namespace) -> int:
     privacy = {k: v for k, v in privacy.items() if v is not None}
     settings = load_settings(
         PartnerSettings, **service_values(args), bottom=bottom or None, privacy=privacy or None,
-        monitor={"probe_every": args.hijack_probe_every} if args.hijack_probe_every is not None else None,
+        monitor={k: v for k, v in (("watch", args.hijack_monitor), ("task_rank", args.hijack_task_rank),
+                                   ("probe_every", args.hijack_probe_every)) if v is not None} or None,
     )
     assert isinstance(settings, PartnerSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)

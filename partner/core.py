@@ -167,7 +167,7 @@ class PartnerCore:
                 raise OutOfOrder(f"{len(self._training)} training sessions are live; end one first "
                                  f"(each idle one ends by itself after {self.settings.training_session_ttl:.0f}s)")
         privacy = self.settings.privacy if self.settings.privacy.active else None
-        monitor = self.settings.monitor if self.settings.monitor.probe_every else None
+        monitor = self.settings.monitor if self.settings.monitor.active else None
         session = PartySession(
             session_id, self.table, self.alignment, train_positions, self.settings.bottom, privacy, monitor,
             local,

@@ -37,6 +37,7 @@ __all__ = [
     "party_times",
     "privacy_frontiers",
     "privacy_study",
+    "hijack_study",
     "reliability_figure",
     "resolve_run",
     "roc_pr_curves",
@@ -275,14 +276,20 @@ def leakage_figure(leakage: pd.DataFrame) -> Figure:
 
 def privacy_study(run: Run) -> dict[str, Any] | None:
     """The privacy study saved under ``<run>/privacy`` (``python -m bank privacy-study --out``), if any:
-    its table, the hijack monitor's rates and the trade-off figure."""
+    its table, its per-defense tables and the trade-off figure."""
     folder = run.path / "privacy"
     if not (folder / "privacy_study.csv").exists():
         return None
     table = pd.read_csv(folder / "privacy_study.csv")
     return {"table": table, "by_defense": privacy_frontiers(table),
-            "hijack_monitor": pd.read_csv(folder / "hijack_monitor.csv"),
             "figure": folder / "privacy_tradeoff.png"}
+
+
+def hijack_study(run: Run) -> str | None:
+    """The hijack study saved under ``<run>/privacy`` (``python -m bank hijack-study --out``), if any: its table
+    as the command printed it."""
+    path = run.path / "privacy" / "hijack_study.txt"
+    return path.read_text() if path.exists() else None
 
 
 #: What the per-defense tables show: the knob, the price, and what still leaks.

@@ -9,8 +9,7 @@ and the partner's ε. Model completion is set beside its from-scratch baseline:
 the partner's own columns predict the label, so what the collaboration gave
 away is the difference (``model_completion_advantage``), not the AUC itself.
 ``measure`` is one configuration's measurement, for other sweeps to call. The
-hijack monitor is measured apart: repeated honest and hijacking runs give its
-detection and false-alarm rates.
+hijack monitor has its own study (``bank.lab.hijack_study``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
 
 __all__ = [
-    "GRADIENT_ATTACKS", "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings", "hijack_rates",
+    "GRADIENT_ATTACKS", "LABEL_ATTACKS", "PARTNER_BOTTOM", "Federation", "Setting", "default_settings",
     "leak", "measure", "run_study", "tradeoff_figure",
 ]
 
@@ -234,34 +233,6 @@ def run_study(
     fig.savefig(out / "privacy_tradeoff.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return table
-
-
-def hijack_rates(out: Path, *, runs: int = 5, rows: int | None = 3000, epochs: int = 2, probe_every: int = 5,
-                 cache: Path | None = None, download: bool = True) -> pd.DataFrame:
-    """Detection and false-alarm rates of the hijack monitor over repeated honest and hijacking runs."""
-    fed = Federation(prepare_bank_marketing(out / "data-hijack", rows=rows, cache=cache, download=download))
-    outcomes = []
-    for seed in range(runs):
-        for malicious in (False, True):
-            training = TrainingConfig(epochs=epochs, batch_size=128, seed=seed)
-            coordinator = fed.coordinator(training, monitor=MonitorConfig(probe_every=probe_every, seed=seed))
-            if malicious:
-                w = torch.randn(BottomConfig().cut_width, 1, generator=torch.Generator().manual_seed(seed))
-                coordinator._loss = lambda top, leaves, rows, w=w: torch.tanh(leaves[1] @ w).mean() + 0 * leaves[0].sum()  # type: ignore[method-assign]
-            try:
-                coordinator.run()
-                alarmed = False
-            except HijackSuspected:
-                alarmed = True
-            outcomes.append({"seed": seed, "bank": "hijacking" if malicious else "honest", "alarm": alarmed})
-    table = pd.DataFrame(outcomes)
-    rates = pd.DataFrame([
-        {"measure": "detection rate (hijacking runs alarmed)", "value": table[table.bank == "hijacking"].alarm.mean()},
-        {"measure": "false-alarm rate (honest runs alarmed)", "value": table[table.bank == "honest"].alarm.mean()},
-        {"measure": "runs of each kind", "value": runs},
-    ])
-    rates.to_csv(out / "hijack_monitor.csv", index=False)
-    return rates
 
 
 #: The bars the study is judged by: (leak, AUC cost) corners a good setting lies inside.

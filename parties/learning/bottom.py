@@ -92,7 +92,7 @@ class BottomTrainer:
         self.releases = 0  # embedding rows released (training and evaluation)
         self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.embedding_dp else None
         self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
-        self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.probe_every else None
+        self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.active else None
         self._probe: list[tuple[int, int]] = []
         self.local = local if local is not None and not local.exact else None
         self.local_batch = None if self.local is None else self.local.batch  # None: exact mode
@@ -152,10 +152,12 @@ class BottomTrainer:
             if self.dp is not None and rows is not None:
                 self.dp.check(rows)
             if self.monitor is not None:
+                if grad is not None:
+                    self.monitor.observe(step, grad)
                 if self.monitor.alarm is None and self._probe and grad is not None:
-                    grad = self.monitor.inspect(grad, self._probe)
+                    grad = self.monitor.inspect(step, grad, self._probe)
                     self._probe = []
-                if self.monitor.alarm is not None:
+                if self.monitor.alarm is not None and self.monitor.config.on_alarm == "stop":
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
                 assert grad is not None and self._pending_index is not None
@@ -298,7 +300,9 @@ class BottomTrainer:
                 tensors["dp.releases"] = torch.from_numpy(self.dp.releases.copy())
                 meta["dp_draws"] = self.dp._draws
             if self.monitor is not None:
-                meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences}
+                meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences,
+                                   "shares": list(self.monitor.shares), "observed": self.monitor.observed,
+                                   "alarm": self.monitor.alarm, "alarm_step": self.monitor.alarm_step}
             if self.nopeek is not None:
                 meta["nopeek"] = self.nopeek.state()
             if self.local is not None:
@@ -319,6 +323,10 @@ class BottomTrainer:
             if self.monitor is not None and "monitor" in meta:
                 self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
                 self.monitor.differences = list(meta["monitor"]["differences"])
+                self.monitor.shares.extend(meta["monitor"].get("shares", []))
+                self.monitor.observed = meta["monitor"].get("observed", 0)
+                self.monitor.alarm = meta["monitor"].get("alarm")
+                self.monitor.alarm_step = meta["monitor"].get("alarm_step")
             if self.nopeek is not None and "nopeek" in meta:
                 self.nopeek.load_state(meta["nopeek"])
             self._cache.clear()

@@ -56,13 +56,30 @@ class PrivacyConfig(BaseModel):
 
 
 class MonitorConfig(BaseModel):
+    """The partner's hijack monitor (``parties.learning.hijack_monitor``): the rank test, the copy probes, or both.
+
+    Off unless ``watch`` or ``probe_every`` is set.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    probe_every: int = Field(0, ge=0, description="probe every N steps (0: the monitor is off)")
+    watch: bool = Field(False, description="the rank test: read every gradient the bank returns (no probe, no "
+                        "extra byte, training unchanged) and alarm when it moves more directions than a task can")
+    task_rank: int = Field(1, ge=1, le=4096, description="the task's output width: 1 for a binary or regression "
+                           "task, the number of classes for a multiclass one")
+    window: int = Field(20, ge=1, description="training steps the rank test judges together")
+    limit: float = Field(0.20, gt=0, lt=1, description="alarm when the window's median off-task share of the "
+                         "gradient's energy exceeds this")
+    on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")
+    probe_every: int = Field(0, ge=0, description="copy probes every N steps (0: off)")
     pairs: int = Field(4, ge=1, description="embeddings copied per probe step")
     threshold: float = Field(1e-3, gt=0, description="alarm when the median relative difference is under this")
     min_pairs: int = Field(8, ge=1, description="pairs observed before any verdict")
     seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.watch or self.probe_every > 0
 
 
 class LocalSteps(BaseModel):

@@ -1,0 +1,218 @@
+"""The hijack monitor's rank test against banks that know the monitor, and the study that measures it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from bank.config import TrainingConfig
+from bank.lab.hijack_study import HONEST, StudyConfig, _slice, monitor_cost, run_hijack_study, summarise, wilson
+from bank.lab.hijackers import Attacker, HijackingBank
+from bank.lab.privacy_study import PARTNER_BOTTOM
+from data.prepare import prepare_bank_marketing
+from parties.errors import CutlayerError, HijackSuspected
+from parties.learning.bottom import BottomTrainer
+from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
+from parties.learning.model import BottomConfig
+from parties.storage.checkpoint import Checkpoint
+from tests.training_helpers import federation
+
+BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
+
+
+def test_the_off_task_share_is_what_lies_outside_the_task_directions() -> None:
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.randn(1, 16, generator=gen)
+    task = torch.randn(64, 1, generator=gen) * direction  # every row along one direction: a binary task
+    assert HijackMonitor.off_task_share(task, 1) < 1e-6
+    three = torch.randn(64, 3, generator=gen) @ torch.randn(3, 16, generator=gen)  # a 3-class task
+    assert HijackMonitor.off_task_share(three, 1) > 0.05 and HijackMonitor.off_task_share(three, 3) < 1e-6
+    spread = torch.randn(64, 16, generator=gen)  # every direction: what a loss on the embedding gives
+    assert HijackMonitor.off_task_share(spread, 1) > 0.8
+    assert HijackMonitor.off_task_share(torch.zeros(64, 16), 1) == 0.0
+
+
+def test_the_rank_test_judges_a_whole_window_and_only_then() -> None:
+    gen = torch.Generator().manual_seed(1)
+    monitor = HijackMonitor(MonitorConfig(watch=True, window=5, limit=0.2))
+    for step in range(4):
+        monitor.observe(step, torch.randn(32, 8, generator=gen))
+    assert monitor.alarm is None  # four steps: no verdict yet
+    monitor.observe(4, torch.randn(32, 8, generator=gen))
+    assert monitor.alarm is not None and monitor.alarm_step == 4 and "hijack suspected" in monitor.alarm
+    quiet = HijackMonitor(MonitorConfig(watch=True, window=5, limit=0.2))
+    for step in range(50):  # a task's gradients: one direction, any signs and sizes
+        quiet.observe(step, torch.randn(32, 1, generator=gen) * torch.ones(1, 8))
+    assert quiet.alarm is None and quiet.observed == 50
+
+
+def _features(n: int = 200, width: int = 6) -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(n, width)).astype(np.float32)
+
+
+def test_the_rank_test_leaves_training_bit_identical_and_survives_a_checkpoint() -> None:
+    x = _features()
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randperm(200, generator=gen)[:32] for _ in range(30)]
+    grads = [torch.randn(32, 1, generator=gen) * torch.randn(1, 8, generator=gen) for _ in range(30)]
+    plain = BottomTrainer(x, BOTTOMS["partner"])
+    watched = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=5))
+    for step, rows in enumerate(batches):
+        for trainer in (plain, watched):
+            trainer.step(step, grads[step - 1] if step else None, rows)
+    assert watched.monitor is not None and watched.monitor.alarm is None and watched.monitor.observed == 29
+    for (name, a), b in zip(plain.model.state_dict().items(), watched.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    tensors, meta = watched.state()
+    restored = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=5))
+    restored.load_state(Checkpoint(0, tensors, meta), meta)
+    assert restored.monitor is not None
+    assert list(restored.monitor.shares) == list(watched.monitor.shares) and restored.monitor.observed == 29
+
+
+def test_an_alarm_in_warn_mode_is_logged_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    x = _features()
+    gen = torch.Generator().manual_seed(3)
+    trainer = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=3, on_alarm="warn"))
+    stopper = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=3))
+    rows = torch.arange(32)
+    trainer.step(0, None, rows)
+    stopper.step(0, None, rows)
+    with pytest.raises(HijackSuspected, match="hijack suspected"):
+        for step in range(1, 10):
+            grad = torch.randn(32, 8, generator=gen)
+            trainer.step(step, grad, rows)
+            stopper.step(step, grad, rows)
+    assert step == 3  # the stopper stops when the window is full
+    for step in range(4, 10):
+        trainer.step(step, torch.randn(32, 8, generator=gen), rows)
+    assert trainer.monitor is not None and trainer.monitor.alarm_step == 3
+    assert "Training goes on" in caplog.text
+
+
+# --- adaptive banks, caught on a small dataset ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory, bank_full: Path):
+    config = StudyConfig(rows=2000, epochs=20, aux_rows=2000)  # max_steps ends each run sooner
+    return (*_slice(tmp_path_factory.mktemp("hijack"), config, bank_full.parent, False), config)
+
+
+def _train(small, attacker: Attacker, monitor: MonitorConfig, seed: int = 0, steps: int = 40) -> HijackingBank:
+    fed, aux, config = small
+    coordinator = fed.coordinator(config.training(seed, max_steps=steps), monitor=monitor)
+    bank = HijackingBank(coordinator, attacker, aux, PARTNER_BOTTOM, seed)
+    coordinator.run()
+    return bank
+
+
+#: Training steps in 40 protocol steps: the 22-batch first epoch ends with a flush, a step without a batch.
+TRAINED = 39
+
+ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5),
+            Attacker("probe-aware", "probe-aware", answer="honest")]
+
+
+@pytest.mark.parametrize("attacker", [Attacker("FSHA", "fsha"), *ADAPTIVE], ids=lambda a: a.name)
+def test_the_rank_test_stops_a_hijacking_bank_that_knows_the_monitor(small, attacker: Attacker) -> None:
+    with pytest.raises(HijackSuspected, match="outside the 1 direction"):
+        _train(small, attacker, MonitorConfig(watch=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_rank_test_lets_an_honest_bank_train(small, seed: int) -> None:
+    bank = _train(small, HONEST, MonitorConfig(watch=True), seed=seed)
+    assert len(bank.sent) == TRAINED  # to the end
+
+
+def test_a_probe_aware_bank_evades_the_copy_probes(small) -> None:
+    """Why the rank test exists: the copy probes catch FSHA, but not a bank that answers copies honestly."""
+    with pytest.raises(HijackSuspected):
+        _train(small, Attacker("FSHA", "fsha"), MonitorConfig(probe_every=3))
+    evader = _train(small, Attacker("probe-aware", "probe-aware", answer="honest"), MonitorConfig(probe_every=3))
+    assert len(evader.sent) == TRAINED  # trained to the end, unnoticed
+
+
+def test_fsha_reconstructs_the_partners_features(small) -> None:
+    """The attack the monitor is judged against works: FSHA decodes the partner's features, an honest bank's
+    decoder does not."""
+    honest = _train(small, HONEST, MonitorConfig(watch=True, on_alarm="warn"), steps=300)
+    fsha = _train(small, Attacker("FSHA", "fsha"), MonitorConfig(watch=True, on_alarm="warn"), steps=300)
+    assert fsha.reconstruction_error(20) < 0.8 < honest.reconstruction_error(20)
+
+
+# --- over a real service ---------------------------------------------------------------------------------------
+
+def test_a_real_partner_service_stops_a_noisy_hijacker(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
+    """Over mutual TLS: a hijacking loss on the embedding plus noise keyed on the row's position (which defeats
+    the copy probes) is stopped by the partner's rank test; the honest bank trains to the end."""
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False)
+    start = lambda data, **kw: start_partner(data, monitor=MonitorConfig(watch=True), **kw)  # noqa: E731
+    config = TrainingConfig(epochs=2, batch_size=64, seed=0)
+    with federation(pki, paths, start, tmp_path, BOTTOMS) as fed:
+        assert fed.coordinator(config, BOTTOMS["bank"]).run().history
+        hijacker = fed.coordinator(config, BOTTOMS["bank"])
+        w = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
+        gen = torch.Generator().manual_seed(1)
+
+        def adversarial(top, leaves, rows):
+            z = leaves[1]
+            noise = torch.randn(z.shape, generator=gen) * 2e-3  # keyed on (step, position), never repeated
+            return torch.tanh(z @ w).mean() + (z * noise).sum() + 0.0 * leaves[0].sum()
+
+        hijacker._loss = adversarial
+        with pytest.raises(CutlayerError, match="outside the 1 direction"):
+            hijacker.run()
+
+
+# --- the study -------------------------------------------------------------------------------------------------
+
+def test_wilson_intervals() -> None:
+    assert wilson(20, 20)[0] == pytest.approx(0.8389, abs=1e-3) and wilson(20, 20)[1] == 1.0
+    low, high = wilson(1, 20)
+    assert low < 0.05 < high and high == pytest.approx(0.2361, abs=1e-3)
+
+
+def test_the_study_writes_a_row_per_bank_with_its_rates(tmp_path: Path, bank_full: Path) -> None:
+    config = StudyConfig(rows=1500, epochs=2, aux_rows=1000)
+    attackers = [Attacker("FSHA", "fsha"), Attacker("probe-aware: copies answered honestly", "probe-aware")]
+    result = run_hijack_study(tmp_path, runs=2, attackers=attackers, config=config, cache=bank_full.parent,
+                              download=False)
+    runs = pd.read_csv(tmp_path / "hijack_runs.csv")
+    assert len(runs) == 6 and set(runs.seed) == {0, 1}
+    study = result["study"].set_index("bank")
+    assert list(study.index) == ["honest bank", "FSHA", "probe-aware: copies answered honestly"]
+    assert study.loc["honest bank", "rank_alarm_rate"] == 0.0
+    assert study.loc["FSHA", "rank_alarm_rate"] == 1.0 and study.loc["FSHA", "probe_alarm_rate"] == 1.0
+    assert study.loc["probe-aware: copies answered honestly", "probe_alarm_rate"] == 0.0
+    assert study.loc["probe-aware: copies answered honestly", "rank_alarm_rate"] == 1.0
+    assert (tmp_path / "hijack_study.txt").read_text().count("\n") >= 5
+
+
+def test_success_is_judged_halfway_from_the_baseline_to_fsha() -> None:
+    table = pd.DataFrame([
+        *({"bank": "honest bank", "seed": s, "reconstruction_error": 2.0, "rank_alarm": False, "rank_alarm_step": None,
+           "probe_alarm": False} for s in range(2)),
+        *({"bank": "FSHA", "seed": s, "reconstruction_error": 0.4, "rank_alarm": True, "rank_alarm_step": 19,
+           "probe_alarm": True} for s in range(2)),
+        *({"bank": "weak", "seed": s, "reconstruction_error": 0.75, "rank_alarm": False, "rank_alarm_step": None,
+           "probe_alarm": False} for s in range(2)),
+        *({"bank": "strong", "seed": s, "reconstruction_error": 0.65, "rank_alarm": s == 0,
+           "rank_alarm_step": 30 if s == 0 else None, "probe_alarm": False} for s in range(2)),
+    ])
+    study = summarise(table).set_index("bank")
+    assert study.attrs["baseline"] == 1.0 and study.attrs["halfway"] == pytest.approx(0.7)  # the mean beats 2.0
+    assert not study.loc["weak", "attack_succeeds"] and study.loc["strong", "attack_succeeds"]
+    assert study.loc["strong", "rank_alarm_rate"] == 0.5 and math.isnan(study.loc["honest bank", "median_alarm_step"])
+
+
+def test_the_monitor_cost_is_printed_beside_an_unmonitored_partner() -> None:
+    cost = monitor_cost(steps=60).set_index("partner")
+    assert list(cost.index) == ["unmonitored", "rank test"]
+    assert (cost.extra_bytes == 0).all() and cost.loc["unmonitored", "extra_compute"] == 0.0
+    assert (cost.median_step_us > 0).all()
