@@ -249,6 +249,11 @@ def walkthrough(args: argparse.Namespace) -> int:
                                 local_steps=args.local_steps, reuse_steps=args.reuse_steps, **_gradient_defense(args))
     training = _knob_applies(args, training)
     _check_partner_privacy(args)
+    if args.hijack_monitor and training.gradient_defense != "none":
+        # Both are this operator's choice here: refuse what would stop the run with a false alarm.
+        raise ConfigError(f"--hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense "
+                          f"{training.gradient_defense}): the rank test reads that noise as a hijack. Protect "
+                          "labels with --label-dp-epsilon alongside it (see the README's privacy section)")
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
         ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]

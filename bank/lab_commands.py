@@ -76,13 +76,14 @@ def privacy_study(args: argparse.Namespace) -> int:
 
 
 def hijack_study(args: argparse.Namespace) -> int:
-    from bank.lab.hijack_study import StudyConfig, format_study, monitor_cost, run_hijack_study
+    from bank.lab.hijack_study import StudyConfig, default_attackers, format_study, monitor_cost, run_hijack_study
 
     _at_least_one(("--runs", args.runs), ("--rows", args.rows), ("--epochs", args.epochs))
     config = StudyConfig(rows=args.rows, epochs=args.epochs)
-    counter = iter(range(1, 10))
+    banks = len(default_attackers()) + 1
+    counter = iter(range(1, banks + 1))
     result = run_hijack_study(args.out, runs=args.runs, config=config, cache=args.cache_dir,
-                              progress=lambda name: print(f"... {next(counter)}/9 {name}: {args.runs} runs",
+                              progress=lambda name: print(f"... {next(counter)}/{banks} {name}: {args.runs} runs",
                                                           file=sys.stderr))
     cost = monitor_cost()
     cost.to_csv(args.out / "hijack_monitor_cost.csv", index=False)

@@ -91,6 +91,7 @@ MODEL_DEFAULTS = {
     ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
     ("partner serve", "--nopeek"): _field(PrivacyConfig, "nopeek"),
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
+    ("partner serve", "--hijack-task-rank"): _field(MonitorConfig, "task_rank"),
     ("bank train", "--epochs"): _field(TrainingConfig, "epochs"),
     ("bank train", "--task"): _field(TrainingConfig, "task"),
     ("bank serve", "--peer-retry-deadline"): _field(BankSettings, "peer_retry_deadline"),
@@ -250,9 +251,22 @@ def test_train_takes_the_gradient_defense_flags(capsys: pytest.CaptureFixture[st
     assert code == 0 and (shown["gradient_defense"], shown["marvell_power"]) == ("marvell", 2.0)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--hijack-runs", "0"), ("--epochs", "0"), ("--rows", "0")])
-def test_the_privacy_study_refuses_impossible_counts_before_training(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
-    code, _, err = _bank(["privacy-study", "--out", str(tmp_path / "study"), flag, value], capsys)
+@pytest.mark.parametrize(("study", "flag", "value"), [
+    ("privacy-study", "--epochs", "0"), ("privacy-study", "--rows", "0"),
+    ("hijack-study", "--runs", "0"), ("hijack-study", "--epochs", "0"), ("hijack-study", "--rows", "-3")])
+def test_the_studies_refuse_impossible_counts_before_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], study: str, flag: str, value: str) -> None:
+    code, _, err = _bank([study, "--out", str(tmp_path / "study"), flag, value], capsys)
     assert code == 2 and err.strip().splitlines() == [f"error: {flag} must be at least 1, got {value}"]
     assert not (tmp_path / "study").exists()  # refused before any work
+
+
+def test_the_walkthrough_refuses_the_rank_test_beside_bank_gradient_noise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured: Marvell's noise trips the rank test (an honest bank alarmed at step 215): refused up front."""
+    code, _, err = _bank(["walkthrough", "--no-download", "--cache-dir", str(tmp_path), "--hijack-monitor",
+                          "--gradient-defense", "marvell", "--marvell-power", "1"], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense marvell): the rank "
+        "test reads that noise as a hijack. Protect labels with --label-dp-epsilon alongside it (see the README's "
+        "privacy section)"]

@@ -20,6 +20,7 @@ from parties.learning.bottom import BottomTrainer
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import Checkpoint
+from parties.transport.process import ServiceProcess
 from tests.training_helpers import federation
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
@@ -59,7 +60,8 @@ def test_the_rank_test_leaves_training_bit_identical_and_survives_a_checkpoint()
     x = _features()
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randperm(200, generator=gen)[:32] for _ in range(30)]
-    grads = [torch.randn(32, 1, generator=gen) * torch.randn(1, 8, generator=gen) for _ in range(30)]
+    direction = torch.randn(1, 8, generator=gen)  # a task's gradients: one direction that turns slowly
+    grads = [torch.randn(32, 1, generator=gen) * (direction + 0.01 * k) for k in range(30)]
     plain = BottomTrainer(x, BOTTOMS["partner"])
     watched = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=5))
     for step, rows in enumerate(batches):
@@ -114,13 +116,13 @@ def _train(small, attacker: Attacker, monitor: MonitorConfig, seed: int = 0, ste
 #: Training steps in 40 protocol steps: the 22-batch first epoch ends with a flush, a step without a batch.
 TRAINED = 39
 
-ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5),
+ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5), Attacker("one", "one-direction"),
             Attacker("probe-aware", "probe-aware", answer="honest")]
 
 
 @pytest.mark.parametrize("attacker", [Attacker("FSHA", "fsha"), *ADAPTIVE], ids=lambda a: a.name)
 def test_the_rank_test_stops_a_hijacking_bank_that_knows_the_monitor(small, attacker: Attacker) -> None:
-    with pytest.raises(HijackSuspected, match="outside the 1 direction"):
+    with pytest.raises(HijackSuspected, match="hijack suspected"):
         _train(small, attacker, MonitorConfig(watch=True))
 
 
@@ -146,6 +148,19 @@ def test_fsha_reconstructs_the_partners_features(small) -> None:
     assert fsha.reconstruction_error(20) < 0.8 < honest.reconstruction_error(20)
 
 
+def _noisy_hijack(seed: int):
+    """A loss on the partner's embedding alone, plus noise keyed on (step, position), never repeated."""
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def adversarial(top, leaves, rows):
+        z = leaves[1]
+        noise = torch.randn(z.shape, generator=gen) * 2e-3
+        return torch.tanh(z @ w).mean() + (z * noise).sum() + 0.0 * leaves[0].sum()
+
+    return adversarial
+
+
 # --- over a real service ---------------------------------------------------------------------------------------
 
 def test_a_real_partner_service_stops_a_noisy_hijacker(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
@@ -157,17 +172,43 @@ def test_a_real_partner_service_stops_a_noisy_hijacker(pki, bank_full: Path, tmp
     with federation(pki, paths, start, tmp_path, BOTTOMS) as fed:
         assert fed.coordinator(config, BOTTOMS["bank"]).run().history
         hijacker = fed.coordinator(config, BOTTOMS["bank"])
-        w = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
-        gen = torch.Generator().manual_seed(1)
-
-        def adversarial(top, leaves, rows):
-            z = leaves[1]
-            noise = torch.randn(z.shape, generator=gen) * 2e-3  # keyed on (step, position), never repeated
-            return torch.tanh(z @ w).mean() + (z * noise).sum() + 0.0 * leaves[0].sum()
-
-        hijacker._loss = adversarial
+        hijacker._loss = _noisy_hijack(seed=0)
         with pytest.raises(CutlayerError, match="outside the 1 direction"):
             hijacker.run()
+
+
+class _PartnerProcess:
+    """``python -m partner serve ... --hijack-monitor``: the command line, in its own process."""
+
+    def __init__(self, pki: Path, data: Path, state: Path, bottom: BottomConfig) -> None:
+        args = ["--name", "partner", "--data", str(data), "--tls-dir", str(pki), "--state-dir", str(state),
+                "--hidden", ",".join(map(str, bottom.hidden)), "--cut-width", str(bottom.cut_width),
+                "--seed", str(bottom.seed), "--workers", "1", "--hijack-monitor"]
+        self.log = state / "log.txt"
+        self.process = ServiceProcess("partner", args, state / "ready.json", self.log)
+        self.url = self.process.wait_ready()
+
+
+def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(pki, bank_full: Path, tmp_path: Path) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
+    started: list[_PartnerProcess] = []
+
+    def start(data: Path, name: str, bottom: BottomConfig) -> _PartnerProcess:
+        started.append(_PartnerProcess(pki, data, tmp_path / name, bottom))
+        return started[-1]
+
+    try:
+        with federation(pki, paths, start, tmp_path, BOTTOMS) as fed:
+            config = TrainingConfig(epochs=4, batch_size=64)
+            assert fed.coordinator(config, BOTTOMS["bank"]).run().history  # honest: no alarm
+            hijacker = fed.coordinator(config, BOTTOMS["bank"])
+            hijacker._loss = _noisy_hijack(seed=0)  # the copy probes' evader
+            with pytest.raises(CutlayerError, match="hijack suspected"):
+                hijacker.run()
+    finally:
+        for partner in started:
+            partner.process.stop()
+    assert "hijack suspected" in started[0].log.read_text()
 
 
 # --- the study -------------------------------------------------------------------------------------------------
@@ -216,3 +257,18 @@ def test_the_monitor_cost_is_printed_beside_an_unmonitored_partner() -> None:
     assert list(cost.index) == ["unmonitored", "rank test"]
     assert (cost.extra_bytes == 0).all() and cost.loc["unmonitored", "extra_compute"] == 0.0
     assert (cost.median_step_us > 0).all()
+
+
+def test_the_rank_test_sees_a_one_direction_hijack_turn() -> None:
+    """A hijack cut to one direction per step has no off-task energy, but its direction turns from step to step;
+    a task's turns only as fast as the top learns."""
+    gen = torch.Generator().manual_seed(4)
+    turning = HijackMonitor(MonitorConfig(watch=True, window=5))
+    steady = HijackMonitor(MonitorConfig(watch=True, window=5))
+    direction = torch.randn(8, generator=gen)
+    for step in range(8):
+        turning.observe(step, torch.randn(32, 1, generator=gen) * torch.randn(1, 8, generator=gen))
+        direction = direction + 0.01 * torch.randn(8, generator=gen)  # a top that learns slowly
+        steady.observe(step, torch.randn(32, 1, generator=gen) * direction)
+    assert turning.alarm is not None and "turned" in turning.alarm and max(turning.shares) < 1e-6
+    assert steady.alarm is None and steady.observed == 8

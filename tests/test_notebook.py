@@ -53,11 +53,14 @@ def audited_run(project: Path) -> Path:
 def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.NotebookNode:
     """The notebook after ``jupyter nbconvert --to notebook --execute notebooks/analysis.ipynb`` from the project."""
     from bank.lab.cut_study import CutPoint, run_cut_study
-    from bank.lab.privacy_study import hijack_rates, run_study
+    from bank.lab.hijack_study import StudyConfig, run_hijack_study
+    from bank.lab.hijackers import Attacker
+    from bank.lab.privacy_study import run_study
 
     study = audited_run / "privacy"  # section 5 reads a privacy study kept in the run folder
     run_study(study, rows=4000, epochs=4, cache=bank_full.parent, download=False)
-    hijack_rates(study, runs=2, rows=2000, cache=bank_full.parent, download=False)
+    run_hijack_study(study, runs=2, attackers=[Attacker("FSHA", "fsha")], config=StudyConfig(rows=1500, epochs=2),
+                     cache=bank_full.parent, download=False)
     # Section 7 reads a cut-layer study kept in the run folder: two cuts are enough to draw its frontier.
     run_cut_study(audited_run / "cut-study", rows=3000, epochs=2,
                   grid=[CutPoint("width", cut_width=4), CutPoint("width")], cache=bank_full.parent, download=False)
@@ -138,6 +141,9 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     shown = _text(section7)
     assert "no cut-layer study" not in shown and "strongest_label_leak_auc" in shown and "bytes_per_step" in shown
     assert any("image/png" in o.get("data", {}) for o in section7.outputs)
+    (section5,) = [c for c in executed.cells if c.cell_type == "code" and "hijack_study(run)" in c.source]
+    shown = _text(section5)
+    assert "no hijack study" not in shown and "rank test alarms" in shown and "FSHA" in shown
 
     analysis = audited_run / "analysis"
     for name in ("learning_curves", "roc_pr", "comparison", "label_leakage", "reliability"):
@@ -191,9 +197,8 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     no_defense = privacy.loc["no defense", "inversion_r2_advantage"]
     assert privacy.loc["embedding DP (C=1, σ=2)", "inversion_r2_advantage"] < no_defense - 0.2
     assert np.isfinite(privacy.loc["embedding DP (C=1, σ=2)", "partner_epsilon"])
-    rates = pd.read_csv(study / "hijack_monitor.csv").set_index("measure")["value"]
-    assert rates["detection rate (hijacking runs alarmed)"] == 1.0
-    assert rates["false-alarm rate (honest runs alarmed)"] == 0.0
+    hijack = pd.read_csv(study / "hijack_study.csv").set_index("bank")
+    assert hijack.loc["FSHA", "rank_alarm_rate"] == 1.0 and hijack.loc["honest bank", "rank_alarm_rate"] == 0.0
 
 
 def test_the_subset_study_compares_the_bank_only_choices_on_the_run(audited_run: Path) -> None:

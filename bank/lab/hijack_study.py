@@ -45,6 +45,7 @@ def default_attackers() -> list[Attacker]:
         Attacker("FSHA", "fsha"),
         *(Attacker(f"FSHA + row-keyed noise ×{r:g}", "noise", r) for r in (0.5, 2.0)),
         *(Attacker(f"FSHA mixed with {b:.0%} honest gradient", "mix", b) for b in (0.5, 0.8, 0.95)),
+        Attacker("FSHA cut to one direction per step", "one-direction"),
         Attacker("probe-aware: copies answered honestly", "probe-aware", answer="honest"),
         Attacker("probe-aware: copies answered with noise ×0.5", "probe-aware", 0.5, answer="noise"),
     ]
@@ -203,9 +204,9 @@ def monitor_cost(batch: int = 64, width: int = 16, features: int = 24, steps: in
     grads = [torch.randn(batch, width, generator=generator) * 1e-3 for _ in range(steps)]
     timings: dict[str, list[float]] = {"unmonitored": [], "rank test": []}
     bottom = PARTNER_BOTTOM.model_copy(update={"cut_width": width})
-    # The limit only decides when to alarm, not what is computed: never alarming, it is timed every step.
-    trainers = {"unmonitored": BottomTrainer(x, bottom),
-                "rank test": BottomTrainer(x, bottom, monitor=MonitorConfig(watch=True, limit=0.99))}
+    # The limits only decide when to alarm, not what is computed: never alarming, it is timed every step.
+    never = MonitorConfig(watch=True, limit=0.999, drift_limit=1.0)
+    trainers = {"unmonitored": BottomTrainer(x, bottom), "rank test": BottomTrainer(x, bottom, monitor=never)}
     for step in range(steps):  # interleaved, so both see the same machine
         for name, trainer in trainers.items():
             started = time.perf_counter()

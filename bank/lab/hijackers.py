@@ -18,6 +18,8 @@ The adaptive banks know the partner's monitor and try to hide from it:
   ``strength`` times FSHA's mean row norm: two copies of one embedding no longer get the same gradient.
 - ``mix``: ``(1 − strength)`` of FSHA's gradient (rescaled to the honest gradient's norm) plus ``strength``
   of the honest task gradient.
+- ``one-direction``: FSHA's gradient cut to its top singular direction at each step, as a binary task's
+  gradient is (against the rank test's energy share).
 - ``probe-aware``: FSHA, except rows whose embedding is an exact duplicate of another row's in the batch
   (a copy probe) are answered with the honest gradient (``answer="honest"``) or with FSHA's plus noise of
   ``strength`` (``answer="noise"``).
@@ -44,7 +46,7 @@ from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -148,6 +150,9 @@ class HijackingBank:
         if a.kind == "mix":
             scaled = fsha * (honest.norm(dim=1).mean() / fsha.norm(dim=1).mean().clamp_min(1e-12))
             return (1 - a.strength) * scaled + a.strength * honest
+        if a.kind == "one-direction":
+            u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
+            return values[0] * torch.outer(u[:, 0], vh[0])
         # probe-aware: rows whose embedding repeats another's within the batch are probes
         _, inverse, counts = torch.unique(z, dim=0, return_inverse=True, return_counts=True)
         probed = counts[inverse] > 1

@@ -35,7 +35,6 @@ from bank.lab.audit import completion_leakage, inversion_rows, leakage_rows, loa
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
-from parties.errors import HijackSuspected
 from parties.learning.embedding_dp import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig

@@ -301,8 +301,7 @@ class BottomTrainer:
                 meta["dp_draws"] = self.dp._draws
             if self.monitor is not None:
                 meta["monitor"] = {"probe": self._probe, "differences": self.monitor.differences,
-                                   "shares": list(self.monitor.shares), "observed": self.monitor.observed,
-                                   "alarm": self.monitor.alarm, "alarm_step": self.monitor.alarm_step}
+                                   **self.monitor.state()}
             if self.nopeek is not None:
                 meta["nopeek"] = self.nopeek.state()
             if self.local is not None:
@@ -323,10 +322,7 @@ class BottomTrainer:
             if self.monitor is not None and "monitor" in meta:
                 self._probe = [tuple(p) for p in meta["monitor"]["probe"]]
                 self.monitor.differences = list(meta["monitor"]["differences"])
-                self.monitor.shares.extend(meta["monitor"].get("shares", []))
-                self.monitor.observed = meta["monitor"].get("observed", 0)
-                self.monitor.alarm = meta["monitor"].get("alarm")
-                self.monitor.alarm_step = meta["monitor"].get("alarm_step")
+                self.monitor.load_state(meta["monitor"])
             if self.nopeek is not None and "nopeek" in meta:
                 self.nopeek.load_state(meta["nopeek"])
             self._cache.clear()

@@ -6,15 +6,18 @@ the task's gradient, the gradient of an adversarial loss on each embedding row.
 **The rank test** (``watch``) reads what arrives and changes nothing. The task's gradient with respect to a
 row's embedding is Jᵢᵀ δᵢ: δᵢ, the loss's derivative with respect to the model's outputs for that row (one
 number for a binary or regression task, one per class for a multiclass one), carried back through the top's
-Jacobian Jᵢ. So a batch's task gradients lie close to ``task_rank`` directions, however the labels fall; an
-adversarial loss on the embedding itself moves all of the embedding's directions. Every training step the
-monitor takes the share of the gradient's energy outside its top ``task_rank`` singular directions, and
-when the median share over ``window`` steps exceeds ``limit`` it stops applying gradients and says why
+Jacobian Jᵢ. So a batch's task gradients lie close to ``task_rank`` directions, however the labels fall, and
+those directions turn only as fast as the bank's top learns. An adversarial loss on the embedding itself
+moves all of the embedding's directions; confined to ``task_rank`` of them, it must turn them from step to
+step to reshape the embeddings. Every training step the monitor takes (1) the share of the gradient's
+energy outside its top ``task_rank`` singular directions and (2) how far those directions turned since the
+last step (1 − the mean squared cosine of the principal angles). When the median of either over
+``window`` steps exceeds its limit (``limit``, ``drift_limit``) it stops applying gradients and says why
 (``on_alarm="warn"``: it logs and goes on). It sends nothing and adds no byte; with no alarm, training is
 bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. What it
-cannot see: a hijack mixed into a large enough share of honest gradient, or one confined to ``task_rank``
-directions per step; a bank gradient defense that adds noise in every direction (isotropic, Marvell) looks
-like a hijack to it. The study measures where those limits lie (``bank.lab.hijack_study``).
+cannot see: a hijack mixed into a large enough share of honest gradient (the study measures how large,
+and whether the attack still works); and a bank gradient defense that adds noise in every direction
+(isotropic, max-norm, Marvell) looks like a hijack to it. The study is ``bank.lab.hijack_study``.
 
 **The copy probes** (``probe_every``): on a probe step the partner copies a few rows' embeddings over other
 rows of the batch; an adversarial loss on the embedding alone returns identical gradients for the copies,
@@ -44,7 +47,10 @@ class HijackMonitor:
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         self.differences: list[float] = []  # copy probes: each copied pair's relative difference
-        self.shares: deque[float] = deque(maxlen=config.window)  # rank test: the last window's off-task shares
+        # The rank test: the last window's off-task shares and turns, and the last step's task directions.
+        self.shares: deque[float] = deque(maxlen=config.window)
+        self.turns: deque[float] = deque(maxlen=config.window)
+        self.directions: torch.Tensor | None = None
         self.observed = 0  # gradients the rank test has read
         self.alarm: str | None = None
         self.alarm_step: int | None = None
@@ -64,17 +70,48 @@ class HijackMonitor:
         """The rank test: read the gradient the bank returned for ``step``'s embedding."""
         if not self.config.watch or self.alarm is not None:
             return
-        self.shares.append(self.off_task_share(grad, self.config.task_rank))
+        rank = self.config.task_rank
+        _, values, vh = torch.linalg.svd(grad, full_matrices=False)
+        energy = values.square()
+        total = float(energy.sum())
+        if total == 0:  # nothing moved: nothing to judge
+            return
+        self.shares.append(1.0 - float(energy[:rank].sum()) / total)
+        directions = vh[:rank]
+        if self.directions is not None:
+            self.turns.append(1.0 - float((directions @ self.directions.T).square().sum()) / rank)
+        self.directions = directions
         self.observed += 1
-        if len(self.shares) == self.config.window:
-            median = float(np.median(self.shares))
-            if median > self.config.limit:
-                self._raise(step, (
-                    f"hijack suspected: over the last {len(self.shares)} steps the bank's gradients put a median "
-                    f"{median:.1%} of their energy outside the {self.config.task_rank} direction(s) a task's "
-                    f"gradient can take (limit {self.config.limit:.0%}); an honest task loss cannot do that. "
-                    + ("No further gradient is applied." if self.config.on_alarm == "stop" else
-                       "Training goes on (on_alarm=warn).")))
+        window = self.config.window
+        if len(self.shares) == window and (share := float(np.median(self.shares))) > self.config.limit:
+            self._raise(step, (
+                f"hijack suspected: over the last {window} steps the bank's gradients put a median {share:.1%} of "
+                f"their energy outside the {rank} direction(s) a task's gradient can take (limit "
+                f"{self.config.limit:.0%}); an honest task loss cannot do that. {self._consequence}"))
+        elif len(self.turns) == window and (turn := float(np.median(self.turns))) > self.config.drift_limit:
+            self._raise(step, (
+                f"hijack suspected: over the last {window} steps the direction(s) of the bank's gradients turned "
+                f"a median {turn:.1%} per step (limit {self.config.drift_limit:.0%}); a task's gradient turns "
+                f"only as fast as the bank's model learns. {self._consequence}"))
+
+    @property
+    def _consequence(self) -> str:
+        return ("No further gradient is applied." if self.config.on_alarm == "stop" else
+                "Training goes on (on_alarm=warn).")
+
+    def state(self) -> dict:
+        """The rank test's state, as JSON, for a checkpoint."""
+        return {"shares": list(self.shares), "turns": list(self.turns), "observed": self.observed,
+                "directions": None if self.directions is None else self.directions.tolist(),
+                "alarm": self.alarm, "alarm_step": self.alarm_step}
+
+    def load_state(self, meta: dict) -> None:
+        self.shares.extend(meta.get("shares", []))
+        self.turns.extend(meta.get("turns", []))
+        self.observed = meta.get("observed", 0)
+        directions = meta.get("directions")
+        self.directions = None if directions is None else torch.tensor(directions, dtype=torch.float32)
+        self.alarm, self.alarm_step = meta.get("alarm"), meta.get("alarm_step")
 
     def plan(self, step: int, batch: int) -> list[tuple[int, int]]:
         """The (source, copy) positions for this step; empty unless it is a probe step."""
