@@ -132,6 +132,14 @@ def test_the_rank_test_lets_an_honest_bank_train(small, seed: int) -> None:
     assert len(bank.sent) == TRAINED  # to the end
 
 
+def test_with_an_honest_bank_the_rank_test_changes_nothing_in_training(small) -> None:
+    """Every embedding the partner sent, at every step, is bit for bit the one it sends with no monitor."""
+    watched = _train(small, HONEST, MonitorConfig(watch=True))
+    plain = _train(small, HONEST, MonitorConfig())  # off: no monitor at all
+    assert len(watched.sent) == len(plain.sent) == TRAINED
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(watched.sent, plain.sent))
+
+
 def test_a_probe_aware_bank_evades_the_copy_probes(small) -> None:
     """Why the rank test exists: the copy probes catch FSHA, but not a bank that answers copies honestly."""
     with pytest.raises(HijackSuspected):
@@ -254,7 +262,8 @@ def test_success_is_judged_halfway_from_the_baseline_to_fsha() -> None:
 
 def test_the_monitor_cost_is_printed_beside_an_unmonitored_partner() -> None:
     cost = monitor_cost(steps=60).set_index("partner")
-    assert list(cost.index) == ["unmonitored", "rank test"]
+    assert list(cost.index) == ["unmonitored", "rank test", "copy probes (every 5 steps)"]
+    assert cost.loc["rank test", "fake_rows_per_step"] == 0.0 and cost.fake_rows_per_step.iloc[2] == 0.8
     assert (cost.extra_bytes == 0).all() and cost.loc["unmonitored", "extra_compute"] == 0.0
     assert (cost.median_step_us > 0).all()
 

@@ -193,20 +193,23 @@ def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
 
 
 def monitor_cost(batch: int = 64, width: int = 16, features: int = 24, steps: int = 400, seed: int = 0) -> pd.DataFrame:
-    """The partner's step with and without the rank test, side by side: median microseconds, bytes on the wire.
+    """The partner's step with and without a monitor, side by side: median microseconds, bytes on the wire.
 
     Each step applies a gradient and embeds the next batch, as in training; the bytes per step are the
-    protocol's (the rank test sends nothing, so they are the same).
+    protocol's: the rank test sends nothing; the copy probes send the same bytes, some rows of them fakes whose
+    gradients are thrown away (``fake_rows_per_step``).
     """
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(4096, features, generator=generator).numpy()
     rows = [torch.randint(0, 4096, (batch,), generator=generator) for _ in range(steps)]
     grads = [torch.randn(batch, width, generator=generator) * 1e-3 for _ in range(steps)]
-    timings: dict[str, list[float]] = {"unmonitored": [], "rank test": []}
     bottom = PARTNER_BOTTOM.model_copy(update={"cut_width": width})
     # The limits only decide when to alarm, not what is computed: never alarming, it is timed every step.
     never = MonitorConfig(watch=True, limit=0.999, drift_limit=1.0)
-    trainers = {"unmonitored": BottomTrainer(x, bottom), "rank test": BottomTrainer(x, bottom, monitor=never)}
+    probes = MonitorConfig(probe_every=5)
+    trainers = {"unmonitored": BottomTrainer(x, bottom), "rank test": BottomTrainer(x, bottom, monitor=never),
+                "copy probes (every 5 steps)": BottomTrainer(x, bottom, monitor=probes)}
+    timings = {name: [] for name in trainers}
     for step in range(steps):  # interleaved, so both see the same machine
         for name, trainer in trainers.items():
             started = time.perf_counter()
@@ -215,8 +218,10 @@ def monitor_cost(batch: int = 64, width: int = 16, features: int = 24, steps: in
     # One step's messages: the rows and embedding one way, the gradient back, all float32 / int64 here.
     payload = batch * 8 + 2 * batch * width * 4
     base = float(np.median(timings["unmonitored"][10:]))
+    fake = {"copy probes (every 5 steps)": probes.pairs / probes.probe_every}
     return pd.DataFrame([
         {"partner": name, "median_step_us": float(np.median(t[10:])) * 1e6,
-         "extra_compute": float(np.median(t[10:])) / base - 1.0, "payload_bytes_per_step": payload, "extra_bytes": 0}
+         "extra_compute": float(np.median(t[10:])) / base - 1.0, "payload_bytes_per_step": payload, "extra_bytes": 0,
+         "fake_rows_per_step": fake.get(name, 0.0)}
         for name, t in timings.items()])
 
