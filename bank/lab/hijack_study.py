@@ -46,6 +46,7 @@ def default_attackers() -> list[Attacker]:
         *(Attacker(f"FSHA + row-keyed noise ×{r:g}", "noise", r) for r in (0.5, 2.0)),
         *(Attacker(f"FSHA mixed with {b:.0%} honest gradient", "mix", b) for b in (0.5, 0.8, 0.95)),
         Attacker("FSHA cut to one direction per step", "one-direction"),
+        Attacker("rank-aware: shaped under the rank test's limits", "rank-aware"),
         Attacker("probe-aware: copies answered honestly", "probe-aware", answer="honest"),
         Attacker("probe-aware: copies answered with noise ×0.5", "probe-aware", 0.5, answer="noise"),
     ]

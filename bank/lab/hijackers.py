@@ -20,6 +20,11 @@ The adaptive banks know the partner's monitor and try to hide from it:
   of the honest task gradient.
 - ``one-direction``: FSHA's gradient cut to its top singular direction at each step, as a binary task's
   gradient is (against the rank test's energy share).
+- ``rank-aware`` (found by an independent adversarial review): shapes FSHA to pass the rank test's defaults.
+  Each step sends FSHA's gradient along one direction that follows FSHA's own top direction but turns at most
+  0.8 × ``drift_limit`` per step, plus the rest of FSHA's gradient scaled (by bisection on the monitor's own
+  arithmetic) to an off-task share of 0.95 × ``limit``, and on 9 of every 20 steps (under half a window, so
+  the median never sees them) to a share of 0.9.
 - ``probe-aware``: FSHA, except rows whose embedding is an exact duplicate of another row's in the batch
   (a copy probe) are answered with the honest gradient (``answer="honest"``) or with FSHA's plus noise of
   ``strength`` (``answer="noise"``).
@@ -32,6 +37,7 @@ left (1.0: no better than the mean).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,11 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bank.trainer import Coordinator
+from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -93,6 +100,8 @@ class HijackingBank:
         self.sent: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, embedding) of each training step
         self.answered: list[torch.Tensor] = []  # the gradient returned at each training step
         self._ready = False
+        self.direction: torch.Tensor | None = None  # rank-aware: the direction it sends along
+        self.rank_aware_step = 0
         coordinator._loss = self.loss  # type: ignore[method-assign]
 
     def _setup(self) -> None:
@@ -150,6 +159,8 @@ class HijackingBank:
         if a.kind == "mix":
             scaled = fsha * (honest.norm(dim=1).mean() / fsha.norm(dim=1).mean().clamp_min(1e-12))
             return (1 - a.strength) * scaled + a.strength * honest
+        if a.kind == "rank-aware":
+            return self._rank_aware(fsha)
         if a.kind == "one-direction":
             u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
             return values[0] * torch.outer(u[:, 0], vh[0])
@@ -160,6 +171,39 @@ class HijackingBank:
         if probed.any():
             out[probed] = honest[probed] if a.answer == "honest" else (fsha + self._noise(fsha, a.strength))[probed]
         return out
+
+    def _rank_aware(self, fsha: torch.Tensor) -> torch.Tensor:
+        limits = MonitorConfig()  # the public defaults
+        top = torch.linalg.svd(fsha, full_matrices=False)[2][0]
+        step, self.rank_aware_step = self.rank_aware_step, self.rank_aware_step + 1
+        if self.direction is None:
+            self.direction = top
+        else:
+            top = top if float(top @ self.direction) >= 0 else -top
+            if 1 - float(top @ self.direction) ** 2 > 0.8 * limits.drift_limit:  # turn no more than this
+                across = _unit(top - (top @ self.direction) * self.direction)
+                angle = math.asin(math.sqrt(0.8 * limits.drift_limit))
+                top = math.cos(angle) * self.direction + math.sin(angle) * across
+            self.direction = _unit(top)
+        main = torch.outer(fsha @ self.direction, self.direction)
+        rest = fsha - main
+        along = _unit(main @ self.direction)
+        rest = rest - torch.outer(along, along @ rest)  # so the main direction stays exactly on top
+        share = 0.9 if step % limits.window < limits.window // 2 - 1 else 0.95 * limits.limit
+        m, r, v = main.double().numpy(), rest.double().numpy(), self.direction.double().numpy()
+
+        def passes(c: float) -> bool:
+            g = m + c * r
+            energy, vectors = np.linalg.eigh(g.T @ g)
+            return 1 - energy[-1] / energy.sum() <= share and 1 - float(vectors[:, -1] @ v) ** 2 <= 0.01
+
+        low, high = 0.0, 1.0
+        while passes(high) and high < 1e6:
+            low, high = high, high * 2
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if passes(middle) else (low, middle)
+        return main + low * rest
 
     def _noise(self, grad: torch.Tensor, size: float) -> torch.Tensor:
         """Noise keyed on (step, position): each row's norm about ``size`` × the batch's mean gradient norm."""
@@ -175,3 +219,7 @@ class HijackingBank:
         with torch.no_grad():
             residual = (self.decoder(z) - x).square().sum()
         return float(residual / (x - x.mean(0)).square().sum())
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm().clamp_min(1e-30)
