@@ -174,6 +174,13 @@ class PartnerSettings(ServiceSettings):
     psi_budget: PsiBudget = Field(default_factory=lambda: PsiBudget(),
                                   description="per bank: what its PSI sessions may cost, checked before any blinding")
 
+    @model_validator(mode="after")
+    def _rank_test_can_see(self) -> PartnerSettings:
+        if self.monitor.watch and self.monitor.task_rank >= self.bottom.cut_width:
+            raise ValueError(f"--hijack-task-rank {self.monitor.task_rank} leaves the rank test nothing to see: "
+                             f"it must be below the embedding width (--cut-width {self.bottom.cut_width})")
+        return self
+
 
 class BankSettings(ServiceSettings):
     """The label holder: it drives alignment and training."""

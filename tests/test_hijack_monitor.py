@@ -123,7 +123,7 @@ ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5), Attack
 @pytest.mark.parametrize("attacker", [Attacker("FSHA", "fsha"), *ADAPTIVE], ids=lambda a: a.name)
 def test_the_rank_test_stops_a_hijacking_bank_that_knows_the_monitor(small, attacker: Attacker) -> None:
     with pytest.raises(HijackSuspected, match="hijack suspected"):
-        _train(small, attacker, MonitorConfig(watch=True))
+        _train(small, attacker, MonitorConfig(watch=True), steps=150)  # the others stop by step 40
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -281,3 +281,30 @@ def test_the_rank_test_sees_a_one_direction_hijack_turn() -> None:
         steady.observe(step, torch.randn(32, 1, generator=gen) * direction)
     assert turning.alarm is not None and "turned" in turning.alarm and max(turning.shares) < 1e-6
     assert steady.alarm is None and steady.observed == 8
+
+
+def test_a_task_rank_the_embedding_cannot_exceed_is_refused_naming_the_flags(tmp_path: Path) -> None:
+    from parties.errors import ConfigError
+    from parties.settings import PartnerSettings, load_settings
+
+    with pytest.raises(ConfigError, match=r"--hijack-task-rank 8 .* below the embedding width \(--cut-width 8\)"):
+        load_settings(PartnerSettings, name="p", data=tmp_path / "x.csv", insecure=True,
+                      monitor={"watch": True, "task_rank": 8}, bottom={"cut_width": 8})
+
+
+def test_restoring_a_monitor_replaces_its_window() -> None:
+    gen = torch.Generator().manual_seed(5)
+    monitor = HijackMonitor(MonitorConfig(watch=True, window=5, on_alarm="warn"))
+    for step in range(3):
+        monitor.observe(step, torch.randn(16, 1, generator=gen) * torch.ones(1, 8))
+    saved = monitor.state()
+    for step in range(3, 6):
+        monitor.observe(step, torch.randn(16, 1, generator=gen) * torch.ones(1, 8))
+    monitor.load_state(saved)
+    assert list(monitor.shares) == saved["shares"] and monitor.observed == 3
+
+
+def test_what_the_rank_test_does_not_catch_a_bank_shaped_under_its_limits(small) -> None:
+    """Documented, not hidden (README): a bank that knows the limits can shape FSHA to pass them."""
+    bank = _train(small, Attacker("rank-aware", "rank-aware"), MonitorConfig(watch=True))
+    assert len(bank.sent) == TRAINED

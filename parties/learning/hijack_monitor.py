@@ -108,8 +108,8 @@ class HijackMonitor:
                 "alarm": self.alarm, "alarm_step": self.alarm_step}
 
     def load_state(self, meta: dict) -> None:
-        self.shares.extend(meta.get("shares", []))
-        self.turns.extend(meta.get("turns", []))
+        self.shares = deque(meta.get("shares", []), maxlen=self.config.window)
+        self.turns = deque(meta.get("turns", []), maxlen=self.config.window)
         self.observed = meta.get("observed", 0)
         directions = meta.get("directions")
         self.directions = None if directions is None else np.array(directions, dtype=np.float64)
