@@ -20,8 +20,7 @@ from parties.learning.bottom import BottomTrainer
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import Checkpoint
-from parties.transport.process import ServiceProcess
-from tests.training_helpers import federation
+from tests.training_helpers import PartnerProcess, federation
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
 
@@ -185,24 +184,12 @@ def test_a_real_partner_service_stops_a_noisy_hijacker(pki, bank_full: Path, tmp
             hijacker.run()
 
 
-class _PartnerProcess:
-    """``python -m partner serve ... --hijack-monitor``: the command line, in its own process."""
-
-    def __init__(self, pki: Path, data: Path, state: Path, bottom: BottomConfig) -> None:
-        args = ["--name", "partner", "--data", str(data), "--tls-dir", str(pki), "--state-dir", str(state),
-                "--hidden", ",".join(map(str, bottom.hidden)), "--cut-width", str(bottom.cut_width),
-                "--seed", str(bottom.seed), "--workers", "1", "--hijack-monitor"]
-        self.log = state / "log.txt"
-        self.process = ServiceProcess("partner", args, state / "ready.json", self.log)
-        self.url = self.process.wait_ready()
-
-
 def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(pki, bank_full: Path, tmp_path: Path) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
-    started: list[_PartnerProcess] = []
+    started: list[PartnerProcess] = []
 
-    def start(data: Path, name: str, bottom: BottomConfig) -> _PartnerProcess:
-        started.append(_PartnerProcess(pki, data, tmp_path / name, bottom))
+    def start(data: Path, name: str, bottom: BottomConfig) -> PartnerProcess:
+        started.append(PartnerProcess(pki, data, tmp_path / name, bottom, "--hijack-monitor"))
         return started[-1]
 
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import federation
+from training_helpers import PartnerProcess, federation
 
 import bank.__main__ as bank_cli
 from bank.config import TrainingConfig
@@ -29,7 +29,6 @@ from parties.learning.model import BottomConfig, build_bottom
 from parties.learning.nopeek import NoPeek, distance_correlation
 from parties.storage.checkpoint import Checkpoint
 from parties.tables.encoding import TabularEncoder
-from parties.transport.process import ServiceProcess
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
 
@@ -251,24 +250,12 @@ def test_nopeek_lowers_held_out_dcor_and_inversion_at_little_cost(bank_full: Pat
 # --- partner serve --nopeek, end to end ------------------------------------------------------------------
 
 
-class _PartnerProcess:
-    """``python -m partner serve ... --nopeek ALPHA``: the command line, in its own process."""
-
-    def __init__(self, pki: Path, data: Path, state: Path, bottom: BottomConfig, alpha: float) -> None:
-        args = ["--name", "partner", "--data", str(data), "--tls-dir", str(pki), "--state-dir", str(state),
-                "--hidden", ",".join(map(str, bottom.hidden)), "--cut-width", str(bottom.cut_width),
-                "--seed", str(bottom.seed), "--workers", "1", "--nopeek", str(alpha)]
-        self.log = state / "log.txt"
-        self.process = ServiceProcess("partner", args, state / "ready.json", self.log)
-        self.url = self.process.wait_ready()
-
-
 def test_partner_serve_with_nopeek_alone_trains_and_reports_its_dcor(pki, bank_full: Path, tmp_path: Path) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
-    started: list[_PartnerProcess] = []
+    started: list[PartnerProcess] = []
 
-    def start(data: Path, name: str, bottom: BottomConfig) -> _PartnerProcess:
-        started.append(_PartnerProcess(pki, data, tmp_path / name, bottom, alpha=0.2))
+    def start(data: Path, name: str, bottom: BottomConfig) -> PartnerProcess:
+        started.append(PartnerProcess(pki, data, tmp_path / name, bottom, "--nopeek", "0.2"))
         return started[-1]
 
     try:

@@ -25,6 +25,7 @@ from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
 from parties.transport.channel import Channel
 from parties.transport.client import make_client
+from parties.transport.process import ServiceProcess
 from parties.transport.server import ServerThread
 from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context
 
@@ -101,3 +102,15 @@ def federation(
         peers = {n: HttpPartner(n, s.url, client) for n, s in servers.items()}
         alignment, _ = align_with_partners(bank, peers, pool)
         yield Federation(bank, alignment, servers, tables, client, tmp, TLSFiles.from_dir(pki, "bank"))
+
+
+class PartnerProcess:
+    """``python -m partner serve ...``: the command line, in its own process, with ``flags`` after the usual ones."""
+
+    def __init__(self, pki: Path, data: Path, state: Path, bottom: BottomConfig, *flags: str) -> None:
+        args = ["--name", "partner", "--data", str(data), "--tls-dir", str(pki), "--state-dir", str(state),
+                "--hidden", ",".join(map(str, bottom.hidden)), "--cut-width", str(bottom.cut_width),
+                "--seed", str(bottom.seed), "--workers", "1", *flags]
+        self.log = state / "log.txt"
+        self.process = ServiceProcess("partner", args, state / "ready.json", self.log)
+        self.url = self.process.wait_ready()
