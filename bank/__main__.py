@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "alarms and how well each attack still works (simulation only)",
                  handler=lab_commands.hijack_study)
     hs.add_argument("--out", type=Path, required=True,
-                    help="folder for hijack_runs.csv, hijack_study.csv and hijack_monitor_cost.csv")
+                    help="folder for hijack_runs.csv, hijack_study.csv and .txt (the table the notebook shows), "
+                         "hijack_monitor_cost.csv, and the slice's party files")
     hs.add_argument("--runs", type=int, default=20, help="seeded runs per bank, seeds 0 to N-1 (default %(default)s)")
     hs.add_argument("--rows", type=int, default=5000, help="customers in the seeded slice (default %(default)s)")
     hs.add_argument("--epochs", type=int, default=17, help="epochs per run (default %(default)s)")

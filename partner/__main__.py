@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {default_of(PrivacyConfig, 'nopeek')}: off)")
     s.add_argument("--hijack-monitor", action="store_true", default=None,
                    help="watch for a hijacking bank with the rank test: read every gradient the bank returns and "
-                        "stop when they move more directions than the task can (no extra bytes; training "
-                        "unchanged unless it alarms)")
+                        "stop when they move more directions than the task can, or turn faster than the bank's "
+                        "model learns (no extra bytes; training unchanged unless it alarms; not with a bank "
+                        "that adds gradient noise)")
     s.add_argument("--hijack-task-rank", type=int, default=None, metavar="K",
                    help="the rank test's task output width: 1 for a binary or regression task, the number of "
                         f"classes for a multiclass one (default {default_of(MonitorConfig, 'task_rank')})")

@@ -203,7 +203,9 @@ def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(pki, bank_f
     finally:
         for partner in started:
             partner.process.stop()
-    assert "hijack suspected" in started[0].log.read_text()
+    log = started[0].log.read_text()
+    assert "hijack monitor on: the rank test (task rank 1, 20-step window" in log  # said at each session's start
+    assert "hijack suspected" in log
 
 
 # --- the study -------------------------------------------------------------------------------------------------
@@ -245,6 +247,10 @@ def test_success_is_judged_halfway_from_the_baseline_to_fsha() -> None:
     assert study.attrs["baseline"] == 1.0 and study.attrs["halfway"] == pytest.approx(0.7)  # the mean beats 2.0
     assert not study.loc["weak", "attack_succeeds"] and study.loc["strong", "attack_succeeds"]
     assert study.loc["strong", "rank_alarm_rate"] == 0.5 and math.isnan(study.loc["honest bank", "median_alarm_step"])
+    # When plain FSHA itself does no better than the mean there is no bar: nothing is called a success.
+    failed = table.assign(reconstruction_error=np.where(table.bank == "FSHA", 1.08, table.reconstruction_error))
+    failing = summarise(failed)
+    assert failing.attrs["halfway"] is None and not failing.attack_succeeds.any()
 
 
 def test_the_monitor_cost_is_printed_beside_an_unmonitored_partner() -> None:

@@ -17,6 +17,7 @@ An attack *succeeds* when its mean reconstruction error is at least halfway from
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -129,12 +130,17 @@ def run_hijack_study(out: Path, *, runs: int = 20, attackers: Sequence[Attacker]
     out.mkdir(parents=True, exist_ok=True)
     fed, aux = _slice(out, config, cache, download)
     rows = []
-    for bank in (HONEST, *attackers):
-        progress(bank.name)
-        for seed in range(runs):
-            row = _run(fed, aux, bank, seed, config)
-            row["probe_alarm"] = _probe_run(fed, aux, bank, seed, config)
-            rows.append(row)
+    alarms = logging.getLogger("parties.learning.hijack_monitor")
+    level, alarms.level = alarms.level, logging.CRITICAL  # the alarms are the study's data, in its tables
+    try:
+        for bank in (HONEST, *attackers):
+            progress(bank.name)
+            for seed in range(runs):
+                row = _run(fed, aux, bank, seed, config)
+                row["probe_alarm"] = _probe_run(fed, aux, bank, seed, config)
+                rows.append(row)
+    finally:
+        alarms.setLevel(level)
     table = pd.DataFrame(rows)
     table.to_csv(out / "hijack_runs.csv", index=False)
     study = summarise(table, runs=runs)
@@ -148,7 +154,9 @@ def summarise(table: pd.DataFrame, runs: int | None = None) -> pd.DataFrame:
     honest = table[table.bank == HONEST.name]
     baseline = min(1.0, float(honest.reconstruction_error.mean()))
     fsha = table[table.bank == "FSHA"]
-    halfway = baseline - 0.5 * (baseline - float(fsha.reconstruction_error.mean())) if len(fsha) else None
+    # No bar when plain FSHA itself does no better than the baseline: then nothing here "succeeds".
+    fsha_error = float(fsha.reconstruction_error.mean()) if len(fsha) else math.inf
+    halfway = baseline - 0.5 * (baseline - fsha_error) if fsha_error < baseline else None
     out = []
     for name, runs_of in table.groupby("bank", sort=False):
         n = len(runs_of)
@@ -187,9 +195,11 @@ def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
     halfway = study.attrs.get("halfway")
     head = (f"bank-full slice of {config.rows} customers, {config.epochs} epochs of batch {config.batch}, "
             f"seeds 0–{runs - 1} per bank; the bank's auxiliary rows: {config.aux_rows} other customers.\n"
-            f"reconstruction error: the share of the partner's feature variance the bank's decoder leaves "
-            f"(unattacked baseline {study.attrs.get('baseline', float('nan')):.3f}; an attack succeeds at or "
-            f"under {'–' if halfway is None else f'{halfway:.3f}'}, halfway to FSHA's)")
+            f"reconstruction error: the share of the partner's feature variance the bank's decoder leaves; the "
+            f"unattacked baseline is the honest bank's or the mean's (1.0), whichever is lower: "
+            f"{study.attrs.get('baseline', float('nan')):.3f}. "
+            + ("Plain FSHA does no better than that here, so no attack succeeds." if halfway is None else
+               f"An attack succeeds at or under {halfway:.3f}, halfway from there to plain FSHA's."))
     return head + "\n\n" + shown.to_string(index=False)
 
 

@@ -93,6 +93,8 @@ class BottomTrainer:
         self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.embedding_dp else None
         self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
         self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.active else None
+        if self.monitor is not None:
+            logger.info("hijack monitor on: %s", self.monitor.describe())
         self._probe: list[tuple[int, int]] = []
         self.local = local if local is not None and not local.exact else None
         self.local_batch = None if self.local is None else self.local.batch  # None: exact mode

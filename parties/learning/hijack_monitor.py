@@ -57,7 +57,16 @@ class HijackMonitor:
 
     def _raise(self, step: int, message: str) -> None:
         self.alarm, self.alarm_step = message, step
-        logger.error("step %d: %s", step, message)
+        logger.log(logging.ERROR if self.config.on_alarm == "stop" else logging.WARNING, "step %d: %s", step, message)
+
+    def describe(self) -> str:
+        c, parts = self.config, []
+        if c.watch:
+            parts.append(f"the rank test (task rank {c.task_rank}, {c.window}-step window, off-task share limit "
+                         f"{c.limit:g}, turn limit {c.drift_limit:g}, on alarm: {c.on_alarm})")
+        if c.probe_every:
+            parts.append(f"copy probes every {c.probe_every} steps ({c.pairs} pairs)")
+        return " and ".join(parts)
 
     @staticmethod
     def off_task_share(grad: torch.Tensor, rank: int) -> float:
