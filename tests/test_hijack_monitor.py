@@ -25,16 +25,20 @@ from tests.training_helpers import PartnerProcess, federation
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
 
 
+def share(grad: torch.Tensor, rank: int) -> float:
+    return HijackMonitor.off_task_share(HijackMonitor.spectrum(grad)[0], rank)
+
+
 def test_the_off_task_share_is_what_lies_outside_the_task_directions() -> None:
     gen = torch.Generator().manual_seed(0)
     direction = torch.randn(1, 16, generator=gen)
     task = torch.randn(64, 1, generator=gen) * direction  # every row along one direction: a binary task
-    assert HijackMonitor.off_task_share(task, 1) < 1e-6
+    assert share(task, 1) < 1e-6
     three = torch.randn(64, 3, generator=gen) @ torch.randn(3, 16, generator=gen)  # a 3-class task
-    assert HijackMonitor.off_task_share(three, 1) > 0.05 and HijackMonitor.off_task_share(three, 3) < 1e-6
+    assert share(three, 1) > 0.05 and share(three, 3) < 1e-6
     spread = torch.randn(64, 16, generator=gen)  # every direction: what a loss on the embedding gives
-    assert HijackMonitor.off_task_share(spread, 1) > 0.8
-    assert HijackMonitor.off_task_share(torch.zeros(64, 16), 1) == 0.0
+    assert share(spread, 1) > 0.8
+    assert share(torch.zeros(64, 16), 1) == 0.0
 
 
 def test_the_rank_test_judges_a_whole_window_and_only_then() -> None:

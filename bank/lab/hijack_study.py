@@ -12,7 +12,7 @@ For the honest bank and each hijacking bank of ``default_attackers`` (FSHA and t
 
 An attack *succeeds* when its mean reconstruction error is at least halfway from the unattacked baseline
 (the honest bank's, or the mean's, whichever is lower) to the non-adaptive FSHA's. Rates come with Wilson
-95% intervals. ``monitor_cost`` times the partner's step with and without the rank test.
+95% intervals. ``monitor_cost`` times the partner's step unmonitored, with the rank test and with the probes.
 """
 
 from __future__ import annotations
@@ -143,13 +143,13 @@ def run_hijack_study(out: Path, *, runs: int = 20, attackers: Sequence[Attacker]
         alarms.setLevel(level)
     table = pd.DataFrame(rows)
     table.to_csv(out / "hijack_runs.csv", index=False)
-    study = summarise(table, runs=runs)
+    study = summarise(table)
     study.to_csv(out / "hijack_study.csv", index=False)
     (out / "hijack_study.txt").write_text(format_study(study, config, runs) + "\n")
     return {"runs": table, "study": study}
 
 
-def summarise(table: pd.DataFrame, runs: int | None = None) -> pd.DataFrame:
+def summarise(table: pd.DataFrame) -> pd.DataFrame:
     """One row per bank: rates with their intervals, the attack's error, and whether it succeeds."""
     honest = table[table.bank == HONEST.name]
     baseline = min(1.0, float(honest.reconstruction_error.mean()))
@@ -221,7 +221,7 @@ def monitor_cost(batch: int = 64, width: int = 16, features: int = 24, steps: in
     trainers = {"unmonitored": BottomTrainer(x, bottom), "rank test": BottomTrainer(x, bottom, monitor=never),
                 "copy probes (every 5 steps)": BottomTrainer(x, bottom, monitor=probes)}
     timings = {name: [] for name in trainers}
-    for step in range(steps):  # interleaved, so both see the same machine
+    for step in range(steps):  # interleaved, so all three see the same machine
         for name, trainer in trainers.items():
             started = time.perf_counter()
             trainer.step(step, grads[step - 1] if step else None, rows[step])

@@ -15,9 +15,10 @@ last step (1 − the mean squared cosine of the principal angles). When the medi
 ``window`` steps exceeds its limit (``limit``, ``drift_limit``) it stops applying gradients and says why
 (``on_alarm="warn"``: it logs and goes on). It sends nothing and adds no byte; with no alarm, training is
 bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. What it
-cannot see: a hijack mixed into a large enough share of honest gradient (the study measures how large,
-and whether the attack still works); and a bank gradient defense that adds noise in every direction
-(isotropic, max-norm, Marvell) looks like a hijack to it. The study is ``bank.lab.hijack_study``.
+cannot see: a hijack mixed into a large enough share of honest gradient, and one shaped to stay under its
+limits (a main direction that turns just slowly enough, off-task energy just under the limit, bursts in
+under half a window); a bank gradient defense that adds noise in every direction (isotropic, max-norm,
+Marvell) looks like a hijack to it. The study (``bank.lab.hijack_study``) measures all of these.
 
 **The copy probes** (``probe_every``): on a probe step the partner copies a few rows' embeddings over other
 rows of the batch; an adversarial loss on the embedding alone returns identical gradients for the copies,
@@ -69,25 +70,28 @@ class HijackMonitor:
         return " and ".join(parts)
 
     @staticmethod
-    def off_task_share(grad: torch.Tensor, rank: int) -> float:
-        """The share of ``grad``'s energy outside its top ``rank`` singular directions (0 for a zero gradient)."""
-        energy = torch.linalg.svdvals(grad).square()
+    def spectrum(grad: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """``grad``'s squared singular values (ascending) and right singular vectors (columns), from the d × d
+        Gram matrix: a fifth of an SVD's time on a batch's gradient, in float64 so small energies keep their
+        digits."""
+        g = grad.detach().numpy().astype(np.float64)
+        return np.linalg.eigh(g.T @ g)
+
+    @staticmethod
+    def off_task_share(energy: np.ndarray, rank: int) -> float:
+        """The share of the energy outside the top ``rank`` directions (0 for a zero gradient)."""
         total = float(energy.sum())
-        return 1.0 - float(energy[:rank].sum()) / total if total > 0 else 0.0
+        return max(0.0, 1.0 - float(energy[-rank:].sum()) / total) if total > 0 else 0.0
 
     def observe(self, step: int, grad: torch.Tensor) -> None:
         """The rank test: read the gradient the bank returned for ``step``'s embedding."""
         if not self.config.watch or self.alarm is not None:
             return
         rank = self.config.task_rank
-        # The right singular vectors and squared singular values, from the d × d Gram matrix: a fifth of an SVD's
-        # time on a batch's gradient, in float64 so the small energies keep their digits.
-        g = grad.detach().numpy().astype(np.float64)
-        energy, vectors = np.linalg.eigh(g.T @ g)  # ascending
-        total = float(energy.sum())
-        if total <= 0:  # nothing moved: nothing to judge
+        energy, vectors = self.spectrum(grad)
+        if float(energy.sum()) <= 0:  # nothing moved: nothing to judge
             return
-        self.shares.append(max(0.0, 1.0 - float(energy[-rank:].sum()) / total))
+        self.shares.append(self.off_task_share(energy, rank))
         directions = vectors[:, -rank:]
         if self.directions is not None:
             self.turns.append(1.0 - float(np.square(directions.T @ self.directions).sum()) / rank)
