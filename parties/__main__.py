@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs = command(sub, "certs", "create a development CA and party certificates")
     certs.add_argument("--out", type=Path, required=True, help="folder for ca.pem and NAME.pem/NAME.key")
     certs.add_argument("--party", action="append", default=[], metavar="NAME=ROLE",
-                       help="a party and its role (bank or partner); repeat per party")
+                       help="a party and its role (bank, partner or compute); repeat per party")
     certs.add_argument("--host", action="append", default=None,
                        help=f"a host name or IP the services answer on (default: {', '.join(DEFAULT_HOSTS)})")
     certs.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default %(default)s)")

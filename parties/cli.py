@@ -92,12 +92,21 @@ def run_cli(main: Callable[[], int | None]) -> None:
     sys.exit(code or 0)
 
 
-def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every ``serve`` command takes; unset flags fall back to the environment, then defaults."""
-    from parties.settings import ServiceSettings as S
+def add_service_arguments(parser: argparse.ArgumentParser, *, data: bool = True) -> None:
+    """The flags every ``serve`` command takes; unset flags fall back to the environment, then defaults.
+
+    ``data=False``: a service without a table of its own (a compute party)."""
 
     parser.add_argument("--name", required=True, help="this party's name (its certificate's CN)")
-    parser.add_argument("--data", type=Path, required=True, help="this party's own CSV file")
+    if data:
+        parser.add_argument("--data", type=Path, required=True, help="this party's own CSV file")
+        _add_table_arguments(parser)
+    else:
+        parser.set_defaults(data=None, id_column=None, schema_file=None, categorical=None, numeric=None)
+    _add_transport_arguments(parser)
+
+
+def _add_table_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default=None,
                         help="customer ID column (default: the schema file's, else customer_id)")
     parser.add_argument("--schema", dest="schema_file", type=Path, default=None,
@@ -107,6 +116,11 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
                         help="treat these columns as categorical (e.g. integer codes), whatever the schema says")
     parser.add_argument("--numeric", type=_columns, default=None, metavar="COL,COL",
                         help="treat these columns as numeric, whatever the schema says")
+
+
+def _add_transport_arguments(parser: argparse.ArgumentParser) -> None:
+    from parties.settings import ServiceSettings as S
+
     parser.add_argument("--host", default=None, help=f"address to listen on (default {default_of(S, 'host')})")
     parser.add_argument("--port", type=int, default=None,
                         help=f"port to listen on (default {default_of(S, 'port')}: any free port)")

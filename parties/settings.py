@@ -19,7 +19,7 @@ from parties.transport.tls import Role, TLSFiles, is_loopback
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
     from parties.tables.table import PartyTable
 
-__all__ = ["BankSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
+__all__ = ["BankSettings", "BranchSettings", "ComputeSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,31 @@ class PartnerSettings(ServiceSettings):
             raise ValueError(f"--hijack-task-rank {self.monitor.task_rank} leaves the rank test nothing to see: "
                              f"it must be below the embedding width (--cut-width {self.bottom.cut_width})")
         return self
+
+
+class LayerHostSettings(ServiceSettings):
+    """A service that runs layers for a bank (``partner/layer_service.py``): a compute party or a branch."""
+
+    max_sessions: int = Field(2, ge=1, description="live layer sessions at once")
+    max_batch_rows: int = Field(1 << 16, ge=1, description="rows one forward or backward call may carry")
+    max_width: int = Field(4096, ge=1, description="widest layer a bank may ask this service to hold")
+    max_parameters: int = Field(1 << 24, ge=1, description="most parameters a bank may ask this service to hold")
+
+
+class ComputeSettings(LayerHostSettings):
+    """A compute party: it holds a trunk (U-shaped) or a trunk and the training labels it is sent (vanilla), no data."""
+
+    model_config = SettingsConfigDict(env_prefix="CUTLAYER_COMPUTE_", extra="forbid", frozen=True)
+    role: ClassVar[Role] = "compute"
+
+    data: Path | None = None  # type: ignore[assignment]  # a compute party holds no table
+
+
+class BranchSettings(LayerHostSettings):
+    """A branch in horizontal split learning: the bank's schema, its own customers, the client-side bottom model."""
+
+    model_config = SettingsConfigDict(env_prefix="CUTLAYER_BRANCH_", extra="forbid", frozen=True)
+    role: ClassVar[Role] = "partner"
 
 
 class BankSettings(ServiceSettings):

@@ -1,4 +1,5 @@
-"""python -m partner: a partner's service, on its own data (serve)."""
+"""python -m partner: a partner's service, on its own data (serve); a compute party's (compute) and a
+branch's (branch), which hold layers for a bank in the U-shaped, vanilla and horizontal configurations."""
 
 from __future__ import annotations
 
@@ -49,7 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hijack-probe-every", type=int, default=None,
                    help=f"watch for a hijacking bank with copy probes every N steps (a bank that knows them evades them) "
                         f"(default {default_of(MonitorConfig, 'probe_every')}: off)")
+    c = command(sub, "compute", "serve a compute party: a trunk (U-shaped) or the rest of the model and the loss "
+                "(vanilla) for a bank that owns the data; no data of its own (certificate role compute)",
+                handler=serve_layers)
+    add_service_arguments(c, data=False)
+    _add_layer_limits(c)
+    b = command(sub, "branch", "serve a branch of horizontal split learning: the bank's schema, customers of its "
+                "own, the client-side bottom model the bank relays or averages (certificate role partner)",
+                handler=serve_layers)
+    add_service_arguments(b)
+    _add_layer_limits(b)
     return parser
+
+
+def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
+    from parties.settings import LayerHostSettings as L
+
+    g = parser.add_argument_group("what a bank may ask this service to hold")
+    g.add_argument("--max-sessions", type=int, default=None,
+                   help=f"live sessions at once (default {default_of(L, 'max_sessions')})")
+    g.add_argument("--max-parameters", type=int, default=None,
+                   help=f"parameters of one session's layers (default {default_of(L, 'max_parameters')})")
+    g.add_argument("--max-width", type=int, default=None,
+                   help=f"widest layer (default {default_of(L, 'max_width')})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +107,24 @@ def serve(args: argparse.Namespace) -> int:
     table = settings.load_table()
     start_fork_server(settings.workers)
     serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+    return 0
+
+
+def serve_layers(args: argparse.Namespace) -> int:
+    from parties.cli import apply_process_settings, service_values
+    from parties.settings import BranchSettings, ComputeSettings, load_settings
+    from parties.transport.server import serve as serve_app
+    from partner.layer_service import create_layer_app
+
+    cls = ComputeSettings if args.command == "compute" else BranchSettings
+    limits = {"max_sessions": args.max_sessions, "max_parameters": args.max_parameters, "max_width": args.max_width}
+    values = {k: v for k, v in service_values(args).items() if not (cls is ComputeSettings and k == "data")}
+    settings = load_settings(cls, **values, **limits)
+    assert isinstance(settings, (ComputeSettings, BranchSettings))
+    apply_process_settings(settings.torch_threads, settings.cpus)
+    table = settings.load_table() if settings.data is not None else None
+    serve_app(create_layer_app(settings, table), settings.tls_files(), settings.host, settings.port,
+              settings.ready_file)
     return 0
 
 

@@ -17,20 +17,20 @@ __all__ = ["ServiceProcess"]
 
 
 class ServiceProcess:
-    """``python -m <module> serve ...`` in a child process, its output in ``log_file``.
+    """``python -m <module> <command> ...`` (``serve`` unless given) in a child process, its output in ``log_file``.
 
     ``prefix``: a command that runs the rest, e.g. ``ip netns exec NAME`` (it must exec it, so the signals
     ``stop`` sends reach the service)."""
 
     def __init__(
         self, module: str, args: list[str], ready_file: Path, log_file: Path, cwd: Path | None = None,
-        prefix: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (), command: str = "serve",
     ) -> None:
         self.module, self.ready_file, self.log_file = module, Path(ready_file), Path(log_file)
         self.ready_file.unlink(missing_ok=True)
         self._log = open_private_log(self.log_file)  # a service's log says what it did: its party's alone
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, "serve", *args, "--ready-file", str(self.ready_file)],
+            [*prefix, sys.executable, "-m", module, command, *args, "--ready-file", str(self.ready_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

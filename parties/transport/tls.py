@@ -1,8 +1,8 @@
 """Mutual TLS between parties: a development CA, party certificates, SSL contexts, peer identity.
 
 A party certificate says who the party is and what it does: the subject's
-common name (CN) is the party's name, its organisational unit (OU) its role,
-``bank`` or ``partner``. Every certificate serves both ends of a connection
+common name (CN) is the party's name, its organisational unit (OU) its role:
+``bank``, ``partner`` or ``compute`` (a compute party, which holds a trunk and no data of its own). Every certificate serves both ends of a connection
 (server and client authentication), so a party's operator calls its own
 service with the party's certificate.
 """
@@ -38,7 +38,7 @@ __all__ = [
     "write_dev_pki",
 ]
 
-Role = Literal["bank", "partner"]
+Role = Literal["bank", "partner", "compute"]
 ROLES: tuple[str, ...] = get_args(Role)
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 

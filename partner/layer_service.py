@@ -1,0 +1,258 @@
+"""The services that hold layers for a bank: a compute party (trunk, or server) and a branch (bottom).
+
+``python -m partner compute`` serves a compute party: certificate role ``compute``, no data of its own.
+``python -m partner branch`` serves a branch of horizontal split learning: certificate role ``partner``, a
+table with the bank's schema and customers of its own. Both answer the layer exchange
+(``parties.protocol.layers``) to callers whose certificate says ``bank``, each bank seeing only its own
+sessions; the routes are thin, the state is ``parties.learning.layer_host.LayerSession``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from parties.errors import BadMessage, ConfigError, DataError, Forbidden, OverBudget, UnknownSession
+from parties.learning.layer_host import LayerSession, count_parameters
+from parties.learning.model import prepare_optimizers
+from parties.protocol import layers
+from parties.protocol.common import SCHEMA_VERSION
+from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
+from parties.settings import LayerHostSettings
+from parties.storage.files import private_dir
+from parties.tables.encoding import TabularEncoder, category_text
+from parties.tables.table import PartyTable
+from parties.transport.app import create_party_app, read_body, require_role
+from parties.transport.tls import PeerIdentity
+
+__all__ = ["LayerHost", "create_layer_app"]
+
+logger = logging.getLogger(__name__)
+
+bank_only = require_role("bank")
+routes = APIRouter(tags=["layers"])
+_FLOATS = (torch.float32,)
+
+
+class LayerHost:
+    """The sessions a service holds, by session ID, each for the bank that started it."""
+
+    def __init__(self, settings: LayerHostSettings, table: PartyTable | None) -> None:
+        self.settings, self.table = settings, table
+        self.sessions: dict[str, LayerSession] = {}
+        self._lock = threading.Lock()
+        self._ids = layers.ids_sha256(table.ids) if table is not None else ""
+
+    def _check_size(self, start: layers.LayerStart, in_width: int) -> None:
+        s = self.settings
+        widths = (in_width, *start.hidden, start.out_width)
+        if max(widths) > s.max_width:
+            raise ConfigError(f"a layer of width {max(widths)} is wider than this service holds ({s.max_width})")
+        if (n := count_parameters(in_width, start.hidden, start.out_width)) > s.max_parameters:
+            raise ConfigError(f"{n} parameters are more than this service holds ({s.max_parameters})")
+
+    def _features(self, start: layers.LayerStart) -> torch.Tensor:
+        if self.table is None:
+            raise ConfigError("a compute party holds no rows: it runs trunk and server sessions, not bottoms")
+        try:
+            encoder = TabularEncoder.from_dict(dict(start.encoder or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadMessage(f"the shared encoder is not readable ({exc})") from exc
+        own = self.table.schema
+        if set(encoder.schema.numeric) != set(own.numeric) or set(encoder.schema.categorical) != set(own.categorical):
+            raise DataError(
+                f"the shared encoder's columns (numeric {sorted(encoder.schema.numeric)}, categorical "
+                f"{sorted(encoder.schema.categorical)}) are not this branch's (numeric {sorted(own.numeric)}, "
+                f"categorical {sorted(own.categorical)})"
+            )
+        encoded, fallbacks = encoder.encode(self.table.features)
+        for column, counts in fallbacks.items():  # never silent: the log says which rows took a policy
+            logger.warning("column %r: %s rows took the encoder's fallback", column, counts)
+        return torch.from_numpy(encoded)
+
+    def start(self, start: layers.LayerStart, owner: str) -> layers.LayerInfo:
+        with self._lock:
+            current = self.sessions.get(start.session)
+            if current is not None and current.owner != owner:
+                raise Forbidden("that session belongs to another bank")
+            if current is None and len(self.sessions) >= self.settings.max_sessions:
+                raise OverBudget(f"this service holds {self.settings.max_sessions} sessions at once; end one first")
+        features = self._features(start) if start.kind == "bottom" else None
+        self._check_size(start, int(features.shape[1]) if features is not None else start.in_width)
+        folder = private_dir(self.settings.state_path / "layers" / owner / start.session)
+        session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows)
+        with self._lock:
+            self.sessions[start.session] = session
+        logger.info("%s session %s for %s: %s, %d parameters%s", start.kind, start.session, owner,
+                    f"{session.in_width} -> {start.hidden} -> {start.out_width}",
+                    sum(p.numel() for p in session.model.parameters()),
+                    f", resumed at step {start.resume_step}" if start.resume_step is not None else "")
+        rows = len(self.table) if self.table is not None and start.kind == "bottom" else 0
+        return session.info(rows, self._ids if rows else "")
+
+    def session(self, session_id: str, owner: str) -> LayerSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"no layer session {session_id!r} (ended, or this service restarted)")
+        if session.owner != owner:
+            raise Forbidden("that session belongs to another bank")
+        return session
+
+    def end(self, session_id: str, owner: str) -> None:
+        session = self.session(session_id, owner)
+        with self._lock:
+            self.sessions.pop(session_id, None)
+        session.close()
+
+    def stats(self, positions: list[int]) -> layers.StatsReply:
+        if self.table is None:
+            raise ConfigError("a compute party holds no rows")
+        if not positions or min(positions) < 0 or max(positions) >= len(self.table):
+            raise BadMessage(f"positions must be a non-empty list in [0, {len(self.table)})")
+        frame = self.table.features.iloc[positions]
+        numeric = {}
+        for col in self.table.schema.numeric:
+            values = torch.tensor(frame[col].astype("float64").to_numpy())
+            seen = values[~torch.isnan(values)]
+            numeric[col] = (int(seen.numel()), float(seen.sum()), float((seen * seen).sum()))
+        categorical = {col: sorted(category_text(frame[col]).unique().tolist()) for col in self.table.schema.categorical}
+        return layers.StatsReply(rows=len(positions), numeric=numeric, categorical=categorical)
+
+
+async def host(request: Request) -> LayerHost:
+    return request.app.state.host
+
+
+async def _tensors(request: Request, h: LayerHost, allowed: dict[str, object]) -> tuple[dict[str, torch.Tensor], int]:
+    message = decode(await read_body(request, h.settings.max_body_bytes), allowed)  # type: ignore[arg-type]
+    return message.tensors, message.int_meta("step")
+
+
+def _reply(session_id: str, step: int, tensors: dict[str, torch.Tensor], **meta: object) -> Response:
+    return Response(content=encode(tensors, session=session_id, step=step, **meta), media_type=SAFETENSORS)
+
+
+def _need(tensors: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise BadMessage(f"the message lacks {missing}")
+    return [tensors[n] for n in names]
+
+
+@routes.post(layers.SESSIONS, response_model=layers.LayerInfo)
+async def start(body: layers.LayerStart, who: PeerIdentity = Depends(bank_only),
+                h: LayerHost = Depends(host)) -> layers.LayerInfo:
+    return await run_in_threadpool(h.start, body, who.name)
+
+
+@routes.post(layers.FORWARD)
+async def forward(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+                  h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    tensors, step = await _tensors(request, h, {"x": (torch.float32, torch.int64)})
+    (x,) = _need(tensors, "x")
+    return _reply(session_id, step, {"output": await run_in_threadpool(session.forward, step, x)})
+
+
+@routes.post(layers.BACKWARD)
+async def backward(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+                   h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    tensors, step = await _tensors(request, h, {"grad": _FLOATS})
+    (grad,) = _need(tensors, "grad")
+    out = await run_in_threadpool(session.backward, step, grad)
+    return _reply(session_id, step, {"grad": out} if out is not None else {})
+
+
+@routes.post(layers.TRAIN)
+async def train(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+                h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    tensors, step = await _tensors(request, h, {"x": _FLOATS, "labels": _FLOATS})
+    x, labels = _need(tensors, "x", "labels")
+    grad, loss = await run_in_threadpool(session.train, step, x, labels)
+    return _reply(session_id, step, {"grad": grad}, loss=repr(loss))
+
+
+@routes.post(layers.PREDICT)
+async def predict(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+                  h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    tensors, step = await _tensors(request, h, {"x": (torch.float32, torch.int64)})
+    (x,) = _need(tensors, "x")
+    return _reply(session_id, step, {"output": await run_in_threadpool(session.predict, x)})
+
+
+@routes.get(layers.WEIGHTS)
+async def get_weights(session_id: str, optimizer: bool = False, who: PeerIdentity = Depends(bank_only),
+                      h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    tensors, meta = await run_in_threadpool(session.weights, optimizer)
+    return _reply(session_id, session.step, tensors, state=json.dumps(meta))
+
+
+@routes.put(layers.WEIGHTS, status_code=204)
+async def put_weights(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+                      h: LayerHost = Depends(host)) -> Response:
+    session = h.session(session_id, who.name)
+    header, tensors = parse(await read_body(request, h.settings.max_body_bytes))
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("schema_version") != str(SCHEMA_VERSION):
+        raise BadMessage(f"schema version {meta.get('schema_version') if isinstance(meta, dict) else None!r} "
+                         f"is not supported (expected {SCHEMA_VERSION})")
+    if not all(t.dtype == torch.float32 and all_finite(t) for t in tensors.values()):
+        raise BadMessage("weights must be finite float32")
+    try:
+        state = json.loads(meta.get("state", "{}"))
+    except json.JSONDecodeError as exc:
+        raise BadMessage("the weights' state is not JSON") from exc
+    if not isinstance(state, dict):
+        raise BadMessage("the weights' state is not a JSON object")
+    await run_in_threadpool(session.load_weights, tensors, state)
+    return Response(status_code=204)
+
+
+@routes.post(layers.CHECKPOINT, status_code=204)
+async def checkpoint(session_id: str, step: int, who: PeerIdentity = Depends(bank_only),
+                     h: LayerHost = Depends(host)) -> Response:
+    await run_in_threadpool(h.session(session_id, who.name).checkpoint, step)
+    return Response(status_code=204)
+
+
+@routes.post(layers.RESTORE, status_code=204)
+async def restore(session_id: str, step: int, who: PeerIdentity = Depends(bank_only),
+                  h: LayerHost = Depends(host)) -> Response:
+    await run_in_threadpool(h.session(session_id, who.name).restore, step)
+    return Response(status_code=204)
+
+
+@routes.delete(layers.SESSION, status_code=204)
+async def end(session_id: str, who: PeerIdentity = Depends(bank_only), h: LayerHost = Depends(host)) -> Response:
+    await run_in_threadpool(h.end, session_id, who.name)
+    return Response(status_code=204)
+
+
+@routes.post(layers.STATS, response_model=layers.StatsReply)
+async def stats(body: layers.StatsRequest, _: PeerIdentity = Depends(bank_only),
+                h: LayerHost = Depends(host)) -> layers.StatsReply:
+    return await run_in_threadpool(h.stats, body.positions)
+
+
+def create_layer_app(settings: LayerHostSettings, table: PartyTable | None = None) -> FastAPI:
+    """A compute party's service (no table) or a branch's (its own table, loaded at start-up unless given)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        prepare_optimizers()
+        loaded = table if table is not None or settings.data is None else settings.load_table()
+        app.state.host = LayerHost(settings, loaded)
+        yield
+
+    return create_party_app(settings, lifespan=lifespan, routers=[routes])
