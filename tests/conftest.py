@@ -20,12 +20,15 @@ from parties.transport.tls import TLSFiles, write_dev_pki
 from partner.service import create_app as create_partner_app
 
 SHARED_COPY = Path(__file__).resolve().parents[2] / "shared" / "data" / BANK_FULL_NAME
-PARTIES = {"bank": "bank", "partner": "partner", "partner2": "partner", "bank2": "bank"}
+PARTIES = {"bank": "bank", "partner": "partner", "partner2": "partner", "bank2": "bank",
+           # the configurations beside vertical: a compute party and a bank's branches
+           "compute": "compute", "compute2": "compute", "branch-1": "partner", "branch-2": "partner",
+           "branch-3": "partner"}
 
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A development CA with certificates for two banks and two partners."""
+    """A development CA with certificates for two banks, two partners, two compute parties and three branches."""
     out = tmp_path_factory.mktemp("pki")
     write_dev_pki(out, PARTIES)
     return out
