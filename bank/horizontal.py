@@ -256,11 +256,12 @@ class HorizontalTrainer:
                         self.peers[b].load_weights(*handed)
                 else:
                     losses = self._splitfed_epoch(epoch)
+                trained = time.perf_counter() - began  # an epoch's time is its training steps (and averaging)
                 scores, targets, _ = self._scored("val")
                 val = self.task.metrics(targets, scores)["roc_auc"]
                 list(self._pool.map(lambda b: self.peers[b].checkpoint(self.steps[b]), self.order))
-                if book.record(epoch, float(np.mean(losses)), val, time.perf_counter() - began,
-                               steps=sum(self.steps.values())):
+                if book.record(epoch, float(np.mean(losses)), val, trained, steps=sum(self.steps.values()),
+                               eval_seconds=round(time.perf_counter() - began - trained, 4)):
                     best = (dict(self.steps), {"top": copy.deepcopy(self.top.state_dict()),
                                                "top_opt": copy.deepcopy(self.top_opt.state_dict())})
                 self.progress(f"epoch {epoch + 1}/{t.epochs}: validation ROC-AUC {val:.4f}", (epoch + 1) / t.epochs)

@@ -158,3 +158,17 @@ def scale_bench(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(scale_bench_json(figures) + "\n")
     return 0
+
+
+def config_bench(args: argparse.Namespace) -> int:
+    from bank.commands import _configuration_settings
+    from bank.lab.config_bench import format_config_bench, run_config_bench
+
+    settings = {name: _configuration_settings(name, None, epochs=args.epochs, seed=None, audit=None,
+                                              fedavg_every=args.fedavg_every if name == "splitfed" else None)
+                for name in ("relay", "splitfed")}
+    frame = run_config_bench(settings, args.out, rows=args.rows, cache_dir=args.cache_dir)
+    print(format_config_bench(frame))
+    if args.out is not None:
+        print(f"\nwritten: {args.out / 'config_bench.csv'}")
+    return 0

@@ -206,6 +206,7 @@ class OwnerTrainer:
                         if i % 10 == 0:
                             self.progress(f"epoch {epoch + 1}/{t.epochs}, step {step}",
                                           (epoch + (i + 1) / n_batches) / t.epochs)
+                    trained = time.perf_counter() - began  # an epoch's time is its training steps
                     val = self.data.task.metrics(self.data.targets[torch.from_numpy(split.val)],
                                                  self.scores(split.val))["roc_auc"]
                     self.peer.checkpoint(step)
@@ -223,8 +224,8 @@ class OwnerTrainer:
                                    for k, v in self._audit.items()}
                     continue
                 saved.append((epoch, step, self._own_state()))
-                if book.record(epoch, float(np.mean(losses)) if losses else float("nan"), val,
-                               time.perf_counter() - began, step=step):
+                if book.record(epoch, float(np.mean(losses)) if losses else float("nan"), val, trained, step=step,
+                               eval_seconds=round(time.perf_counter() - began - trained, 4)):
                     best = (step, saved[-1][2])
                 logger.info("epoch %d: validation ROC-AUC %.4f", epoch + 1, val)
                 if book.stop(epoch) or (t.max_steps is not None and step >= t.max_steps):

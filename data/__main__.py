@@ -47,6 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     bm.add_argument("--no-download", action="store_true", help="fail instead of downloading")
 
+    for name, summary, handler in (
+        ("bank-owner", "write the U-shaped and vanilla walkthroughs' file: the bank owns every column and the label",
+         _owner_command),
+        ("bank-branches", "write the horizontal walkthroughs' files: the bank's customers split across branches by "
+         "job (seeded, non-IID), every column at each branch, the labels at the bank", _branches_command),
+    ):
+        c = command(sub, name, summary, handler=handler)
+        c.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
+        if name == "bank-branches":
+            c.add_argument("--branches", type=int, default=3, help="how many branches (default %(default)s)")
+        c.add_argument("--seed", type=int, default=0, help="seed of the slice and the branches' jobs (default %(default)s)")
+        c.add_argument("--rows", type=int, default=None, help="keep a seeded random slice of N customers")
+        c.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+        c.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+        c.add_argument("--no-download", action="store_true", help="fail instead of downloading")
+
     gen = command(sub, "partition", "split any CSV vertically", handler=_partition_command)
     gen.add_argument("--csv", type=Path, required=True, help="the whole table, one row per customer")
     gen.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
@@ -127,6 +143,23 @@ def _bank_marketing_command(args: argparse.Namespace) -> int:
         download=not args.no_download,
     )
     _print_paths(paths)
+    return 0
+
+
+def _owner_command(args: argparse.Namespace) -> int:
+    from data.configurations import prepare_owner
+
+    _print_paths(prepare_owner(args.out, rows=args.rows, seed=args.seed, cache=args.cache_dir,
+                               download=not args.no_download))
+    return 0
+
+
+def _branches_command(args: argparse.Namespace) -> int:
+    from data.configurations import prepare_branches
+
+    _print_paths(prepare_branches(args.out, branches=args.branches, rows=args.rows, seed=args.seed,
+                                  cache=args.cache_dir, download=not args.no_download))
+    print(f"which jobs each branch holds, its customers and subscription rate: {args.out / 'branches.json'}")
     return 0
 
 

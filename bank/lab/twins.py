@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from parties.learning.model import build_bottom, build_optimizer, mlp
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable
 
-__all__ = ["TwinOutcome", "centralised", "horizontal_twin", "owner_twin"]
+__all__ = ["TwinOutcome", "centralised", "encode_branches", "horizontal_twin", "owner_twin", "reference_for_run"]
 
 
 @dataclass
@@ -214,3 +215,46 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
     test_scores = scores(test)
     return TwinOutcome(test_scores, task.metrics(y[torch.from_numpy(test)], test_scores), early.history,
                        early.best_epoch, {"bottom": bottom, "top": top}, seconds)
+
+
+def reference_for_run(out: Path, settings: ConfigurationSettings) -> dict[str, Any]:
+    """Train a walkthrough run's twin (and, horizontal, the centralised model) from the run's own files; add
+    ``reference`` to its ``summary.json`` (whether the run equals its twin, and the centralised figure)."""
+    import json
+
+    import pandas as pd
+
+    from bank.configuration_runs import read_labels
+    from bank.horizontal import branch_labels
+    from bank.owner import owner_data
+    from data.configurations import BRANCH_COLUMN, LABEL
+    from parties.storage.files import atomic_write_text
+    from parties.tables.table import load_party_table
+
+    torch.set_num_threads(1)
+    summary = json.loads((out / "summary.json").read_text())
+    split_scores = pd.read_csv(out / "test_predictions.csv")["score"].to_numpy(np.float32)
+    reference: dict[str, Any] = {}
+    if settings.configuration in ("u-shaped", "vanilla"):
+        table = load_party_table(out / "data" / "bank" / "bank.csv", None, LABEL, labelled=True)
+        twin = owner_twin(settings, owner_data(table, settings.training))
+    else:
+        frame = read_labels(out / "data" / "bank" / "labels.csv")
+        task = Task(settings.training.task, settings.training.positive_label).fit(frame[LABEL])
+        labels = branch_labels(frame, "customer_id", BRANCH_COLUMN, LABEL, task, settings)
+        tables = {b: load_party_table(out / "data" / b / f"{b}.csv") for b in labels}
+        features = encode_branches(tables, json.loads((out / "encoder.json").read_text()))
+        twin = horizontal_twin(settings, task, labels, features)
+        c = centralised(settings, task, labels, features)
+        reference["centralised"] = {"roc_auc": c.test["roc_auc"], "best_epoch": c.best_epoch + 1,
+                                    "mean_epoch_seconds": float(np.mean(c.epoch_seconds))}
+    twin_scores = twin.test_scores.astype(np.float32)
+    reference["twin"] = {
+        "roc_auc": twin.test["roc_auc"], "best_epoch": twin.best_epoch + 1,
+        "equal": bool(np.array_equal(split_scores, twin_scores)),
+        "max_difference": float(np.abs(split_scores - twin_scores).max()) if len(twin_scores) else 0.0,
+        "mean_epoch_seconds": float(np.mean(twin.epoch_seconds)),
+    }
+    summary["reference"] = reference
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
