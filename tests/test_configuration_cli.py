@@ -1,0 +1,114 @@
+"""The configurations beside vertical from the command line, as the README writes them.
+
+The README's by-hand block (a compute party, three branches, one terminal each) trains the same models as
+``python -m bank walkthrough --configuration ...``, bit for bit; the walkthrough says its run equals its
+single-process twin; flags that only vertical has are refused with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.test_readme import README, _bash_blocks, _commands, _free_port
+
+SMALL_ROWS, SMALL_EPOCHS = "2500", "2"
+
+
+def _configurations_block() -> str:
+    section = README[README.index("## Other configurations"):]
+    return _bash_blocks(section)[0]
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_readmes_by_hand_configurations_train_the_walkthroughs_models(bank_full: Path, tmp_path: Path) -> None:
+    """Every command of the block as written (a slice, 2 epochs, free ports); then the walkthroughs of the same
+    configurations: the test predictions are equal, number for number."""
+    ports = {p: str(_free_port()) for p in ("8460", "8471", "8472", "8473")}
+    small = {("data", "bank-owner"): ["--rows", SMALL_ROWS, "--cache-dir", str(bank_full.parent), "--no-download"],
+             ("data", "bank-branches"): ["--rows", SMALL_ROWS, "--cache-dir", str(bank_full.parent), "--no-download"],
+             ("bank", "train-owner"): ["--epochs", SMALL_EPOCHS],
+             ("bank", "train-branches"): ["--epochs", SMALL_EPOCHS]}
+    services: list[subprocess.Popen[bytes]] = []
+    trained: dict[str, str] = {}
+    try:
+        for i, argv in enumerate(_commands(_configurations_block())):
+            assert argv[:2] == ["python", "-m"], argv
+            argv = [re.sub(r"\b(8460|8471|8472|8473)\b", lambda m: ports[m.group(1)], a) for a in argv[2:]]
+            module, command = argv[0], argv[1]
+            argv += small.get((module, command), [])
+            if (module, command) in (("partner", "compute"), ("partner", "branch")):
+                ready, log = tmp_path / f"service-{i}.ready", tmp_path / f"service-{i}.log"
+                services.append(subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(ready)],
+                                                 cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT))
+                deadline = time.monotonic() + 120
+                while not ready.exists():
+                    assert services[-1].poll() is None, log.read_text()[-3000:]
+                    assert time.monotonic() < deadline, f"{' '.join(argv)} did not start"
+                    time.sleep(0.05)
+                continue
+            run = _run(argv, tmp_path)
+            assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+            if command.startswith("train-"):
+                trained[argv[argv.index("--configuration") + 1]] = argv[argv.index("--out") + 1]
+                assert "Test metrics" in run.stdout, run.stdout
+    finally:
+        for proc in services:
+            proc.terminate()
+            proc.wait(30)
+
+    assert sorted(trained) == ["splitfed", "u-shaped"]
+    for configuration, folder in trained.items():
+        out = tmp_path / f"walkthrough-{configuration}"
+        run = _run(["bank", "walkthrough", "--configuration", configuration, "--out", str(out), "--rows", SMALL_ROWS,
+                    "--epochs", SMALL_EPOCHS, "--cache-dir", str(bank_full.parent), "--no-download"], tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "the split run equals it: yes, bit for bit" in run.stdout, run.stdout
+        by_hand = pd.read_csv(tmp_path / folder / "test_predictions.csv")
+        pd.testing.assert_frame_equal(by_hand, pd.read_csv(out / "test_predictions.csv"), check_exact=True)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["configuration"] == configuration and summary["reference"]["twin"]["equal"] is True
+        for name in ("config.json", "metrics.json", "history.csv", "test_predictions.csv"):
+            assert (out / name).is_file(), name
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--configuration", "relay", "--partners", "2"], "--partners: vertical only"),
+    (["--configuration", "u-shaped", "--wire-precision", "int8"], "--wire-precision: vertical only"),
+    (["--configuration", "splitfed", "--hijack-monitor"], "--hijack-monitor: vertical only"),
+    (["--configuration", "u-shaped", "--branches", "4"], "--branches and --fedavg-every are for relay and splitfed"),
+    (["--configuration", "relay", "--fedavg-every", "5"], "the relay hands one model on"),
+    (["--branches", "3"], "--branches is for the relay and splitfed configurations"),
+])
+def test_flags_another_configuration_lacks_are_refused_in_one_line(tmp_path: Path, argv: list[str], reason: str) -> None:
+    run = _run(["bank", "walkthrough", "--out", str(tmp_path / "run"), "--no-download", *argv], tmp_path, timeout=120)
+    assert run.returncode != 0
+    assert reason in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["train-branches", "--configuration", "relay", "--labels", "labels.csv", "--tls-dir", "certs"],
+     "give every branch: --branch NAME=URL"),
+    (["train-branches", "--configuration", "relay", "--labels", "labels.csv", "--branch", "b1", "--insecure"],
+     "--branch takes NAME=URL"),
+    (["train-owner", "--configuration", "vanilla", "--data", "bank.csv", "--compute", "c=https://127.0.0.1:1"],
+     "TLS is required"),
+    (["train-owner", "--configuration", "vanilla", "--data", "bank.csv", "--compute", "c=https://127.0.0.1:1",
+      "--insecure", "--tls-dir", "certs"], "give one or the other"),
+])
+def test_the_by_hand_commands_refuse_what_they_cannot_use(tmp_path: Path, argv: list[str], reason: str) -> None:
+    run = _run(["bank", *argv], tmp_path, timeout=120)
+    assert run.returncode != 0 and reason in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
