@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the bank's labels: customer_id, branch, y, each branch's rows in its file's order")
             o.add_argument("--branch", action="append", default=[], metavar="NAME=URL", help="repeat per branch")
             o.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                           help="splitfed: average the bottoms every N steps too (default: once per epoch)")
+                           help="splitfed: average the bottoms every N steps, and at epoch ends "
+                                "(default 10; 0: at epoch ends only)")
         o.add_argument("--name", default="bank", help="this bank's name, its certificate's CN (default %(default)s)")
         o.add_argument("--tls-dir", type=Path, default=None, help="folder with ca.pem, NAME.pem, NAME.key")
         o.add_argument("--insecure", action="store_true", help="plain HTTP to services on this machine (development)")
@@ -338,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--rows", type=int, default=None, help="a seeded slice of N customers (default: all)")
     cb.add_argument("--epochs", type=int, default=None, help="at most this many epochs (default 40, early stopping)")
     cb.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                    help="splitfed: average every N steps too (default: the walkthrough's)")
+                    help="splitfed: average every N steps, and at epoch ends (default 10; 0: at epoch ends only)")
     cb.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     cb.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(cb)
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at 3 branches (README: configurations)")
     w.add_argument("--branches", type=int, default=None, help="relay, splitfed: how many branches (default 3)")
     w.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                   help="splitfed: average the branches' bottoms every N steps too")
+                   help="splitfed: average the branches' bottoms every N steps, and at epoch ends (default 10; 0: "
+                        "at epoch ends only)")
     w.add_argument("--no-reference", action="store_true",
                    help="u-shaped, vanilla, relay, splitfed: skip training the single-process twin (and, "
                         "horizontal, the centralised model) to compare with")

@@ -268,18 +268,12 @@ def _configuration_settings(configuration: str, path: Path | None, **overrides: 
         values["fedavg_every"] = overrides["fedavg_every"]
     if overrides.get("audit"):
         values["audit"] = True
-    values.setdefault("fedavg_every", DEFAULT_FEDAVG_EVERY if configuration == "splitfed" else 0)
     try:
         return ConfigurationSettings(configuration=configuration, training=TrainingConfig(**training), **values)
     except ValidationError as exc:
         where = f" in {path}" if path else ""
         problems = describe_problems(exc, lambda loc: ".".join(str(p) for p in loc))
         raise ConfigError(f"invalid settings{where}: {problems}") from exc
-
-
-#: SplitFed averages the branches' bottoms every this many steps (and at every epoch end) unless told otherwise:
-#: averaging once per epoch lets non-IID branches drift apart (README: configurations).
-DEFAULT_FEDAVG_EVERY = 1
 
 
 def _tls_or_insecure(args: argparse.Namespace) -> TLSFiles | None:

@@ -51,8 +51,10 @@ class ConfigurationSettings(BaseModel):
     bottom: BottomConfig = BottomConfig()
     trunk: TrunkConfig = TrunkConfig()
     top: TopConfig = TopConfig()
-    fedavg_every: int = Field(0, ge=0, description="splitfed: average the branches' bottoms every N steps "
-                              "(0: once per epoch, at its end)")
+    # 10 by measurement on bank-full (3 branches by job): every step 0.9204, every 10 steps 0.9215, once per epoch
+    # 0.9178, against 0.9203 centralised; every 10 steps costs a tenth of the averaging round trips of every step.
+    fedavg_every: int = Field(10, ge=0, description="splitfed: average the branches' bottoms every N steps, and at "
+                              "every epoch end (0: at epoch ends only)")
     audit: bool = Field(False, description="record what crossed each cut, for the leakage audit")
 
     @model_validator(mode="after")
