@@ -450,6 +450,8 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
     if summary.get("resumes"):
         print(f"the compute party restarted: resumed {summary['resumes']} time(s) from its last checkpoint")
     print(f"mean epoch time: {summary['mean_epoch_seconds']:.2f} s")
+    if summary.get("model_files"):
+        print("the bank's model files: " + ", ".join(str(out / f) for f in summary["model_files"].values()))
     reference = summary.get("reference")
     if reference:
         twin = reference["twin"]

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.numpy import save as save_arrays
+from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
 from bank.horizontal import HorizontalTrainer, branch_labels
@@ -58,6 +59,14 @@ def _communication(peers: dict[str, LayerPeer], steps: int | dict[str, int]) -> 
 def _save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     private_dir(path.parent)
     atomic_write_bytes(path, save_arrays({k: np.ascontiguousarray(v) for k, v in arrays.items()}))
+
+
+def _save_model(out: Path, name: str, module: torch.nn.Module | dict[str, torch.Tensor]) -> str:
+    """The bank's own model file (safetensors) under ``OUT/model/``; its path inside the run folder."""
+    state = module if isinstance(module, dict) else module.state_dict()
+    path = private_dir(out / "model") / f"{name}.safetensors"
+    atomic_write_bytes(path, save_tensors({k: v.detach().contiguous() for k, v in state.items()}))
+    return path.relative_to(out).as_posix()
 
 
 def _bar(desc: str) -> tuple[tqdm, Any]:
@@ -98,10 +107,14 @@ def owner_run(settings: ConfigurationSettings, data: Path, *, label: str | None,
             atomic_write_text(audit / "features.json", json.dumps(prepared.encoder.feature_names()) + "\n")
         peer.end()
         communication = _communication({compute[0]: peer}, outcome.steps)
+    files = {"bottom": _save_model(out, "bottom", outcome.bottom)}
+    if outcome.head is not None:
+        files["head"] = _save_model(out, "head", outcome.head)
     metrics = write_configuration_run(
         out, settings=settings, book=outcome.book, test=outcome.test, predictions=outcome.predictions,
         communication=communication,
         extra={"steps": outcome.steps, "resumes": outcome.resumes, "train_seconds": time.perf_counter() - started,
+               "model_files": files,
                "parties": {bank_name: "bank (rows, labels, bottom" + (", head)" if outcome.head is not None else ")"),
                            compute[0]: "compute (trunk)" if outcome.head is not None else "compute (server layers, "
                            "loss, the training labels)"}})
@@ -143,6 +156,11 @@ def horizontal_run(settings: ConfigurationSettings, labels_file: Path, *, branch
                     "rows": rows, "embedding": trainer.embeddings(b, rows), "targets": labels[b].targets.numpy()})
                 if outcome.audit.get(b):
                     _save_arrays(out / "audit" / f"gradients-{b}.safetensors", outcome.audit[b])
+        # The client-side model every branch ended with (the relay's last, SplitFed's average): the bank holds it.
+        weights, _ = peers[trainer.order[0]].weights(optimizer=False)
+        files = {"top": _save_model(out, "top", outcome.top),
+                 "branch_bottom": _save_model(out, "branch_bottom", {k.removeprefix("model."): v
+                                                                     for k, v in weights.items()})}
         for peer in peers.values():
             peer.end()
         communication = _communication(peers, outcome.steps)
@@ -150,7 +168,7 @@ def horizontal_run(settings: ConfigurationSettings, labels_file: Path, *, branch
     return write_configuration_run(
         out, settings=settings, book=outcome.book, test=outcome.test, predictions=outcome.predictions,
         communication=communication,
-        extra={"per_branch": outcome.per_branch, "steps": sum(outcome.steps.values()),
+        extra={"per_branch": outcome.per_branch, "steps": sum(outcome.steps.values()), "model_files": files,
                "train_seconds": time.perf_counter() - started,
                "parties": {bank_name: "bank (labels, top)", **{b: "branch (rows, bottom)" for b in branches}},
                "rows": {b: {"train": len(labels[b].split.train), "val": len(labels[b].split.val),
