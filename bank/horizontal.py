@@ -35,7 +35,7 @@ from bank.layer_peer import LayerPeer
 from bank.schedule import Split, epoch_batches, split_rows
 from bank.split_run import ConfigurationSettings, EpochBook, ProgressFn
 from bank.task import Task
-from parties.errors import DataError, PeerError
+from parties.errors import DataError, PeerError, PeerUnavailable, PeerUntrusted
 from parties.learning.config import OptimizerConfig
 from parties.learning.model import build_optimizer, mlp
 from parties.protocol.common import SCHEMA_VERSION
@@ -69,16 +69,31 @@ def branch_labels(labels: pd.DataFrame, id_column: str, branch_column: str, labe
     return out
 
 
-def merge_encoder(replies: list[StatsReply]) -> dict[str, Any]:
-    """One encoder (``TabularEncoder.to_dict``) from every branch's training-row statistics.
+def _schema_difference(reply: StatsReply, first: StatsReply) -> str:
+    """How ``reply``'s columns differ from ``first``'s, per kind ("" if they are the same sets)."""
+    parts = []
+    for kind, mine, theirs in (("numeric", reply.numeric, first.numeric),
+                               ("categorical", reply.categorical, first.categorical)):
+        if missing := sorted(set(theirs) - set(mine)):
+            parts.append(f"lacks {kind} {missing}")
+        if extra := sorted(set(mine) - set(theirs)):
+            parts.append(f"has {kind} {extra} besides")
+    return ", ".join(parts)
+
+
+def merge_encoder(replies: list[StatsReply], names: list[str] | None = None) -> dict[str, Any]:
+    """One encoder (``TabularEncoder.to_dict``) from every branch's training-row statistics (``names``: whose).
 
     Numerics: the pooled mean and population standard deviation (1 where it is 0); categoricals: every value
-    any branch saw, sorted. The column order is the first branch's.
+    any branch saw, sorted. Every branch must hold the same numeric and categorical columns, in any order
+    (each encodes in the encoder's order); the column order is the first branch's.
     """
+    names = names or [f"#{i + 1}" for i in range(len(replies))]
     first = replies[0]
-    for reply in replies[1:]:
-        if list(reply.numeric) != list(first.numeric) or list(reply.categorical) != list(first.categorical):
-            raise DataError("the branches do not hold the same columns: horizontal split learning needs one schema")
+    for name, reply in zip(names[1:], replies[1:]):
+        if difference := _schema_difference(reply, first):
+            raise DataError(f"branch {name!r} does not hold the columns branch {names[0]!r} holds: it {difference}; "
+                            "horizontal split learning needs one schema at every branch")
     means, scales = {}, {}
     for col in first.numeric:
         n = sum(r.numeric[col][0] for r in replies)
@@ -144,10 +159,19 @@ class HorizontalTrainer:
         self.encoder: dict[str, Any] = {}
 
     # --- set-up ---------------------------------------------------------------------------------------------
+    def _stats(self, branch: str) -> StatsReply:
+        try:
+            return self.peers[branch].stats(self.labels[branch].split.train.tolist())
+        except (PeerUnavailable, PeerUntrusted):
+            raise
+        except PeerError as exc:  # it answered, and refused the rows our labels name: say which file to check
+            raise PeerError(f"branch {branch!r} refused the column statistics of the training rows the bank's labels "
+                            f"name for it ({len(self.labels[branch].targets)} rows in all; it answered: {exc}): "
+                            "do the labels name more rows for it than it holds? check both files") from exc
+
     def start(self) -> None:
-        replies = list(self._pool.map(
-            lambda b: self.peers[b].stats(self.labels[b].split.train.tolist()), self.order))
-        self.encoder = merge_encoder(replies)
+        replies = list(self._pool.map(self._stats, self.order))
+        self.encoder = merge_encoder(replies, self.order)
         start = bottom_start(self.settings, self.session_id, self.encoder)
         infos = list(self._pool.map(lambda b: self.peers[b].start(start), self.order))
         for b, info in zip(self.order, infos):

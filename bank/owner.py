@@ -231,10 +231,23 @@ class OwnerTrainer:
                 if book.stop(epoch) or (t.max_steps is not None and step >= t.max_steps):
                     break
                 epoch += 1
-            if t.restore_best:
-                self.peer.restore(best[0])
-                self._load_own(best[1])
-            test_scores = self.scores(split.test)
+            # The compute party may restart here too (all its steps are on disk by now): resume it at the step it
+            # ends with (the best epoch's, or the last) and go on, instead of failing a finished run.
+            while True:
+                try:
+                    if t.restore_best:
+                        self.peer.restore(best[0])
+                        self._load_own(best[1])
+                    test_scores = self.scores(split.test)
+                    break
+                except UnknownSession:
+                    if resumes >= MAX_RESUMES:
+                        raise
+                    resumes += 1
+                    final = best[0] if t.restore_best else step
+                    logger.warning("the compute party lost session %s (it restarted?) after training: resuming it "
+                                   "at step %d", self.session_id, final)
+                    self.peer.start(compute_start(s, self.session_id, resume_step=final))
         except BaseException:
             self.peer.end()
             raise
