@@ -64,10 +64,12 @@ class ConfigurationSettings(BaseModel):
         unsupported = [name for name, on in (
             ("local_steps", self.training.local_steps != 1), ("wire_precision", self.training.wire_precision != "fp32"),
             ("gradient_defense", self.training.gradient_defense != "none"),
-            ("label_dp_epsilon", self.training.label_dp_epsilon is not None)) if on]
+            ("label_dp_epsilon", self.training.label_dp_epsilon is not None),
+            ("max_steps", self.training.max_steps is not None and self.configuration in ("relay", "splitfed")),
+        ) if on]
         if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: vertical training only, not in the {self.configuration} "
-                             "configuration")
+            raise ValueError(f"{', '.join(unsupported)}: not available in the {self.configuration} configuration "
+                             "(vertical training has it)")
         return self
 
 
