@@ -201,6 +201,11 @@ class LayerHostSettings(ServiceSettings):
         100, ge=1, description="branch: the fewest distinct rows column statistics are given on (sums of one row "
         "are that row's values)"
     )
+    banks: tuple[str, ...] = Field(
+        (), description="the banks (certificate names) this service holds layers for; empty: any bank its CA "
+        "certifies. A branch should name its own bank: whoever starts a bottom sets its weights (relay, SplitFed) "
+        "and asks for predictions, so it can read the branch's rows"
+    )
 
 
 class ComputeSettings(LayerHostSettings):

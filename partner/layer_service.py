@@ -6,11 +6,13 @@ table with the bank's schema and customers of its own. Both answer the layer exc
 (``parties.protocol.layers``) to callers whose certificate says ``bank``, each bank seeing only its own
 sessions; the routes are thin, the state is ``parties.learning.layer_host.LayerSession``.
 
-A dishonest bank is expected (``tests/test_layer_security.py``): sessions are keyed by the calling bank and
-the session ID, so another bank can neither reach nor squat one (nor learn that it exists); every body,
-JSON ones too, is read within ``max_body_bytes``; what a bank asks to be held is bounded (widths, parameters,
-activations per call, sessions, idle time) before anything is built; and a branch gives column statistics
-only on at least ``min_stats_rows`` distinct rows.
+A dishonest bank is expected (``tests/test_layer_security.py``). A service may name the banks it serves
+(``banks``): a branch should, since a bank that sets a bottom's weights and asks for predictions reads the
+branch's rows. Sessions are keyed by the calling bank and the session ID, so another bank can neither
+reach nor squat one (nor learn that it exists); every body, JSON ones too, is read within
+``max_body_bytes``; what a bank asks to be held is bounded (widths, parameters, activations per call,
+sessions, idle time) before anything is built; and a branch gives column statistics only on at least
+``min_stats_rows`` distinct rows.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from parties.errors import BadMessage, ConfigError, DataError, OverBudget, UnknownSession
+from parties.errors import BadMessage, ConfigError, DataError, Forbidden, OverBudget, UnknownSession
 from parties.learning.layer_host import LayerSession, count_parameters
 from parties.learning.model import prepare_optimizers
 from parties.protocol import layers
@@ -47,7 +49,17 @@ __all__ = ["LayerHost", "create_layer_app"]
 
 logger = logging.getLogger(__name__)
 
-bank_only = require_role("bank")
+is_bank = require_role("bank")
+
+
+async def bank_only(request: Request, who: PeerIdentity = Depends(is_bank)) -> PeerIdentity:
+    """A caller whose certificate says bank, and (if the service names its banks) one of those."""
+    banks = request.app.state.settings.banks
+    if banks and who.name not in banks:
+        raise Forbidden(f"this service holds layers for {list(banks)} only, not for bank {who.name!r}")
+    return who
+
+
 routes = APIRouter(tags=["layers"])
 _FLOATS = (torch.float32,)
 M = TypeVar("M", bound=BaseModel)
