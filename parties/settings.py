@@ -189,6 +189,23 @@ class LayerHostSettings(ServiceSettings):
     max_batch_rows: int = Field(1 << 16, ge=1, description="rows one forward or backward call may carry")
     max_width: int = Field(4096, ge=1, description="widest layer a bank may ask this service to hold")
     max_parameters: int = Field(1 << 24, ge=1, description="most parameters a bank may ask this service to hold")
+    max_activations: int = Field(
+        1 << 26, ge=1, description="activation values one call may make this service hold: its rows times the widths "
+        "of every layer (a deep, wide model on max_batch_rows rows would otherwise keep gigabytes for the backward)"
+    )
+    session_ttl: float = Field(
+        3600.0, gt=0, description="seconds an idle session stays live; then it is dropped, its checkpoints kept "
+        "(the bank resumes it with resume_step), so a bank that walks away cannot hold max_sessions for ever"
+    )
+    min_stats_rows: int = Field(
+        100, ge=1, description="branch: the fewest distinct rows column statistics are given on (sums of one row "
+        "are that row's values)"
+    )
+    banks: tuple[str, ...] = Field(
+        (), description="the banks (certificate names) this service holds layers for; empty: any bank its CA "
+        "certifies. A branch should name its own bank: whoever starts a bottom sets its weights (relay, SplitFed) "
+        "and asks for predictions, so it can read the branch's rows"
+    )
 
 
 class ComputeSettings(LayerHostSettings):

@@ -5,18 +5,31 @@
 table with the bank's schema and customers of its own. Both answer the layer exchange
 (``parties.protocol.layers``) to callers whose certificate says ``bank``, each bank seeing only its own
 sessions; the routes are thin, the state is ``parties.learning.layer_host.LayerSession``.
+
+A dishonest bank is expected (``tests/test_layer_security.py``). A service may name the banks it serves
+(``banks``): a branch should, since a bank that sets a bottom's weights and asks for predictions reads the
+branch's rows. Sessions are keyed by the calling bank and the session ID, so another bank can neither
+reach nor squat one (nor learn that it exists); every body, JSON ones too, is read within
+``max_body_bytes``; what a bank asks to be held is bounded (widths, parameters, activations per call,
+sessions, idle time) before anything is built; and a branch gives column statistics only on at least
+``min_stats_rows`` distinct rows.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import torch
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from parties.errors import BadMessage, ConfigError, DataError, Forbidden, OverBudget, UnknownSession
@@ -28,7 +41,7 @@ from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
 from parties.settings import LayerHostSettings
 from parties.storage.files import private_dir
 from parties.tables.encoding import TabularEncoder, category_text
-from parties.tables.table import PartyTable
+from parties.tables.table import FeatureSchema, PartyTable
 from parties.transport.app import create_party_app, read_body, require_role
 from parties.transport.tls import PeerIdentity
 
@@ -36,18 +49,71 @@ __all__ = ["LayerHost", "create_layer_app"]
 
 logger = logging.getLogger(__name__)
 
-bank_only = require_role("bank")
+is_bank = require_role("bank")
+
+
+async def bank_only(request: Request, who: PeerIdentity = Depends(is_bank)) -> PeerIdentity:
+    """A caller whose certificate says bank, and (if the service names its banks) one of those."""
+    banks = request.app.state.settings.banks
+    if banks and who.name not in banks:
+        raise Forbidden(f"this service holds layers for {list(banks)} only, not for bank {who.name!r}")
+    return who
+
+
 routes = APIRouter(tags=["layers"])
 _FLOATS = (torch.float32,)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_encoder(state: dict[str, Any], own: FeatureSchema, max_width: int) -> TabularEncoder:
+    """The bank's shared encoder, checked before it encodes a row: its columns are this branch's, each of
+    them is described (distinct categories; finite means, positive scales), and it is no wider than the
+    widest layer this service holds (one-hot columns are allocated for every row before any layer is)."""
+    if not (_names(state.get("numeric")) and _names(state.get("categorical"))):
+        raise BadMessage("the shared encoder is not readable (its columns must be lists of names)")
+    try:
+        encoder = TabularEncoder.from_dict(dict(state))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadMessage(f"the shared encoder is not readable ({exc})") from exc
+    if set(encoder.schema.numeric) != set(own.numeric) or set(encoder.schema.categorical) != set(own.categorical):
+        raise DataError(
+            f"the shared encoder's columns (numeric {sorted(encoder.schema.numeric)}, categorical "
+            f"{sorted(encoder.schema.categorical)}) are not this branch's (numeric {sorted(own.numeric)}, "
+            f"categorical {sorted(own.categorical)})"
+        )
+    for col in encoder.schema.categorical:
+        if col not in encoder.categories_:
+            raise BadMessage(f"the shared encoder lacks the categories of {col!r}")
+        cats = encoder.categories_[col]
+        if not _names(cats) or len(set(cats)) != len(cats):
+            raise BadMessage(f"the categories of {col!r} are not a list of distinct strings")
+    width = len(encoder.schema.numeric) + sum(len(encoder.categories_[c]) for c in encoder.schema.categorical)
+    if width > max_width:
+        raise ConfigError(f"the shared encoder is {width} columns wide; this service holds layers of at most "
+                          f"{max_width}")
+    for col in encoder.schema.numeric:
+        mean, scale = encoder.means_.get(col), encoder.scales_.get(col)
+        if not (_number(mean) and _number(scale) and scale > 0):  # type: ignore[operator]
+            raise BadMessage(f"the mean and scale of {col!r} must be finite numbers, the scale above 0")
+    return encoder
 
 
 class LayerHost:
-    """The sessions a service holds, by session ID, each for the bank that started it."""
+    """The sessions a service holds, by (bank, session ID): a bank names only its own sessions."""
 
     def __init__(self, settings: LayerHostSettings, table: PartyTable | None) -> None:
         self.settings, self.table = settings, table
-        self.sessions: dict[str, LayerSession] = {}
+        self.sessions: dict[tuple[str, str], LayerSession] = {}
         self._lock = threading.Lock()
+        self._starting = threading.Lock()  # one start at a time: the count checked is the count inserted into
         self._ids = layers.ids_sha256(table.ids) if table is not None else ""
 
     def _check_size(self, start: layers.LayerStart, in_width: int) -> None:
@@ -61,35 +127,36 @@ class LayerHost:
     def _features(self, start: layers.LayerStart) -> torch.Tensor:
         if self.table is None:
             raise ConfigError("a compute party holds no rows: it runs trunk and server sessions, not bottoms")
-        try:
-            encoder = TabularEncoder.from_dict(dict(start.encoder or {}))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadMessage(f"the shared encoder is not readable ({exc})") from exc
-        own = self.table.schema
-        if set(encoder.schema.numeric) != set(own.numeric) or set(encoder.schema.categorical) != set(own.categorical):
-            raise DataError(
-                f"the shared encoder's columns (numeric {sorted(encoder.schema.numeric)}, categorical "
-                f"{sorted(encoder.schema.categorical)}) are not this branch's (numeric {sorted(own.numeric)}, "
-                f"categorical {sorted(own.categorical)})"
-            )
+        encoder = _read_encoder(dict(start.encoder or {}), self.table.schema, self.settings.max_width)
         encoded, fallbacks = encoder.encode(self.table.features)
         for column, counts in fallbacks.items():  # never silent: the log says which rows took a policy
             logger.warning("column %r: %s rows took the encoder's fallback", column, counts)
         return torch.from_numpy(encoded)
 
+    def _expire(self) -> None:
+        """Drop sessions idle past ``session_ttl`` (not one in a call): memory back, checkpoints kept on disk."""
+        now = time.monotonic()
+        with self._lock:
+            for key, session in list(self.sessions.items()):
+                if now - session.used > self.settings.session_ttl and not session.lock.locked():
+                    del self.sessions[key]
+                    logger.info("session %s of %s idle for %.0fs: dropped (resumable from its checkpoints)",
+                                key[1], key[0], now - session.used)
+
     def start(self, start: layers.LayerStart, owner: str) -> layers.LayerInfo:
-        with self._lock:
-            current = self.sessions.get(start.session)
-            if current is not None and current.owner != owner:
-                raise Forbidden("that session belongs to another bank")
-            if current is None and len(self.sessions) >= self.settings.max_sessions:
-                raise OverBudget(f"this service holds {self.settings.max_sessions} sessions at once; end one first")
-        features = self._features(start) if start.kind == "bottom" else None
-        self._check_size(start, int(features.shape[1]) if features is not None else start.in_width)
-        folder = private_dir(self.settings.state_path / "layers" / owner / start.session)
-        session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows)
-        with self._lock:
-            self.sessions[start.session] = session
+        key = (owner, start.session)
+        with self._starting:
+            self._expire()
+            if key not in self.sessions and len(self.sessions) >= self.settings.max_sessions:
+                raise OverBudget(f"this service holds {self.settings.max_sessions} sessions at once; end one first "
+                                 f"(an idle one ends after {self.settings.session_ttl:.0f}s)")
+            features = self._features(start) if start.kind == "bottom" else None
+            self._check_size(start, int(features.shape[1]) if features is not None else start.in_width)
+            folder = private_dir(self.settings.state_path / "layers" / owner / start.session)
+            session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows,
+                                   max_activations=self.settings.max_activations)
+            with self._lock:
+                self.sessions[key] = session
         logger.info("%s session %s for %s: %s, %d parameters%s", start.kind, start.session, owner,
                     f"{session.in_width} -> {start.hidden} -> {start.out_width}",
                     sum(p.numel() for p in session.model.parameters()),
@@ -98,24 +165,36 @@ class LayerHost:
         return session.info(rows, self._ids if rows else "")
 
     def session(self, session_id: str, owner: str) -> LayerSession:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise UnknownSession(f"no layer session {session_id!r} (ended, or this service restarted)")
-        if session.owner != owner:
-            raise Forbidden("that session belongs to another bank")
+        self._expire()
+        session = self.sessions.get((owner, session_id))
+        if session is None:  # another bank's session too: not even its existence is told
+            raise UnknownSession(f"no layer session {session_id!r} (ended, idle too long, or this service restarted)")
+        session.used = time.monotonic()
         return session
 
     def end(self, session_id: str, owner: str) -> None:
         session = self.session(session_id, owner)
         with self._lock:
-            self.sessions.pop(session_id, None)
+            self.sessions.pop((owner, session_id), None)
         session.close()
 
     def stats(self, positions: list[int]) -> layers.StatsReply:
+        """Sums and value sets on the named rows: never on fewer than ``min_stats_rows`` distinct rows.
+
+        A sum of one row is that row's value; of a few, close to it. The bank and its branches are one
+        organisation, but the exchange promises sums, not rows: asking for row k alone, or for a row many
+        times over, is refused. Two calls whose rows differ by one still tell that row by their difference:
+        the minimum bounds what one call shows, not what a bank that calls twice may work out.
+        """
         if self.table is None:
             raise ConfigError("a compute party holds no rows")
         if not positions or min(positions) < 0 or max(positions) >= len(self.table):
             raise BadMessage(f"positions must be a non-empty list in [0, {len(self.table)})")
+        distinct, least = len(set(positions)), self.settings.min_stats_rows
+        if distinct < least:
+            raise BadMessage(f"column statistics are given on at least {least} distinct rows, not {distinct}")
+        if distinct != len(positions):
+            raise BadMessage("positions name a row more than once: each row counts once in the statistics")
         frame = self.table.features.iloc[positions]
         numeric = {}
         for col in self.table.schema.numeric:
@@ -128,6 +207,15 @@ class LayerHost:
 
 async def host(request: Request) -> LayerHost:
     return request.app.state.host
+
+
+async def _json(request: Request, h: LayerHost, model: type[M]) -> M:
+    """A JSON body read within ``max_body_bytes`` (FastAPI's own body parameter reads any size), then validated."""
+    body = await read_body(request, h.settings.max_body_bytes)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from exc
 
 
 async def _tensors(request: Request, h: LayerHost, allowed: dict[str, object]) -> tuple[dict[str, torch.Tensor], int]:
@@ -147,9 +235,9 @@ def _need(tensors: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
 
 
 @routes.post(layers.SESSIONS, response_model=layers.LayerInfo)
-async def start(body: layers.LayerStart, who: PeerIdentity = Depends(bank_only),
+async def start(request: Request, who: PeerIdentity = Depends(bank_only),
                 h: LayerHost = Depends(host)) -> layers.LayerInfo:
-    return await run_in_threadpool(h.start, body, who.name)
+    return await run_in_threadpool(h.start, await _json(request, h, layers.LayerStart), who.name)
 
 
 @routes.post(layers.FORWARD)
@@ -240,9 +328,9 @@ async def end(session_id: str, who: PeerIdentity = Depends(bank_only), h: LayerH
 
 
 @routes.post(layers.STATS, response_model=layers.StatsReply)
-async def stats(body: layers.StatsRequest, _: PeerIdentity = Depends(bank_only),
+async def stats(request: Request, _: PeerIdentity = Depends(bank_only),
                 h: LayerHost = Depends(host)) -> layers.StatsReply:
-    return await run_in_threadpool(h.stats, body.positions)
+    return await run_in_threadpool(h.stats, (await _json(request, h, layers.StatsRequest)).positions)
 
 
 def create_layer_app(settings: LayerHostSettings, table: PartyTable | None = None) -> FastAPI:

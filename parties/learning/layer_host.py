@@ -17,8 +17,10 @@ answered again from the cache, if it carries the same inputs (a retry); anything
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parties.errors import BadMessage, DataError, OutOfOrder
+from parties.errors import BadMessage, ConfigError, DataError, OutOfOrder
 from parties.learning.model import build_optimizer, mlp
 from parties.protocol.layers import LayerInfo, LayerStart
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import (
+    checkpoint_steps,
     flatten_optimizer,
     read_checkpoint,
     remove_checkpoints,
@@ -48,7 +51,8 @@ def digest(*tensors: torch.Tensor) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
         h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # reshape first: a 0-d tensor (a bank may send one) cannot be viewed as bytes of another size
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.digest()
 
 
@@ -56,6 +60,20 @@ def count_parameters(in_width: int, hidden: tuple[int, ...], out_width: int) -> 
     """The parameters of ``mlp(in_width, hidden, out_width)``, before building it (a bank cannot make us allocate)."""
     widths = [in_width, *hidden, out_width]
     return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+#: The per-parameter state a checked optimizer state may hold (``load_weights``): fused Adam's, SGD's (none
+#: without momentum, which ``OptimizerConfig`` does not offer).
+_OPTIMIZER_STATE = {"adam": ("exp_avg", "exp_avg_sq", "step"), "sgd": ()}
+
+
+def _state_fits(key: str, value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether one tensor of a bank's optimizer state is one this parameter's optimizer could hold."""
+    if key == "step":  # Adam divides by 1 - beta ** step: 0 divides by zero, a fraction or a negative is no count
+        return value.dim() == 0 and 1 <= float(value) < 1 << 53 and float(value).is_integer()
+    if value.shape != param.shape or not all_finite(value):
+        return False
+    return key != "exp_avg_sq" or not bool((value < 0).any())  # its square root is taken
 
 
 @dataclass
@@ -69,8 +87,9 @@ class LayerSession:
     """One bank's layers in one session; every public method holds the session's lock."""
 
     def __init__(self, start: LayerStart, owner: str, folder: Path | None, features: torch.Tensor | None = None,
-                 *, max_rows: int = 1 << 16) -> None:
-        self.start, self.owner, self.folder, self.max_rows = start, owner, folder, max_rows
+                 *, max_rows: int = 1 << 16, max_activations: int | None = None) -> None:
+        self.start, self.owner, self.folder = start, owner, folder
+        self.used = time.monotonic()  # the last call that named this session (``LayerHost`` expires idle ones)
         self.kind = start.kind
         if self.kind == "bottom":
             if features is None:
@@ -80,6 +99,13 @@ class LayerSession:
         else:
             self.features = None
             self.in_width = start.in_width
+        # One row holds an activation per layer width (kept for the backward): the rows a call may carry are
+        # bounded so that rows x widths stays within ``max_activations``.
+        per_row = self.in_width + sum(start.hidden) + start.out_width
+        self.max_rows = min(max_rows, (max_activations or per_row * max_rows) // per_row)
+        if self.max_rows < 1:
+            raise ConfigError(f"one row of this model holds {per_row} activations; this service holds at most "
+                              f"{max_activations} in one call")
         self.model: nn.Sequential = mlp(self.in_width, start.hidden, start.out_width,
                                         activate_output=self.kind != "server", seed=start.seed)
         self.optimizer = build_optimizer(self.model.parameters(), start.optimizer)
@@ -102,7 +128,7 @@ class LayerSession:
         if positions.dim() != 1 or positions.dtype != torch.int64:
             raise BadMessage("positions must be a 1-d int64 tensor")
         if not 0 < len(positions) <= self.max_rows:
-            raise BadMessage(f"a call carries 1 to {self.max_rows} rows, not {len(positions)}")
+            raise BadMessage(f"a call to this session carries 1 to {self.max_rows} rows, not {len(positions)}")
         if int(positions.min()) < 0 or int(positions.max()) >= len(self.features):
             raise BadMessage(f"row positions must lie in [0, {len(self.features)})")
         return self.features[positions]
@@ -111,7 +137,7 @@ class LayerSession:
         if x.dim() != 2 or x.shape[1] != self.in_width:
             raise BadMessage(f"activations must be (rows, {self.in_width}), not {tuple(x.shape)}")
         if not 0 < x.shape[0] <= self.max_rows:
-            raise BadMessage(f"a call carries 1 to {self.max_rows} rows, not {x.shape[0]}")
+            raise BadMessage(f"a call to this session carries 1 to {self.max_rows} rows, not {x.shape[0]}")
         if x.dtype != torch.float32 or not all_finite(x):
             raise BadMessage("activations must be finite float32")
         return x
@@ -211,33 +237,61 @@ class LayerSession:
             return tensors, meta
 
     def load_weights(self, tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> None:
-        """Replace the bottom model (and, if given, its optimizer state) with a bank's: same names and shapes."""
+        """Replace the bottom model (and, if given, its optimizer state) with a bank's: same names and shapes.
+
+        The optimizer state is checked tensor by tensor against what this session's own optimizer holds; its
+        hyper-parameters (``param_groups``) stay this session's, from its start: a bank that could send them
+        could turn on ``maximize`` or ``amsgrad``, or map one parameter's moments onto another's, and the
+        next step would fail inside the optimizer (or quietly train something else).
+        """
         if self.kind != "bottom":
             raise OutOfOrder("only a branch's bottom model moves between parties")
         with self.lock:
             self._at_boundary("replace the weights")
+            unknown = sorted(k for k in tensors if not k.startswith(("model.", "optim.")))
+            if unknown:
+                raise BadMessage(f"the weights name tensors this session does not hold: {unknown[:8]}")
             own = self.model.state_dict()
             model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
             if set(model) != set(own):
                 raise BadMessage(f"the weights must name exactly {sorted(own)}")
             for name, value in model.items():
                 if value.shape != own[name].shape or value.dtype != torch.float32 or not all_finite(value):
-                    raise BadMessage(f"weight {name!r} must be finite float32 of shape {tuple(own[name].shape)}")
+                    raise BadMessage(f"weight 'model.{name}' must be finite float32 of shape "
+                                     f"{tuple(own[name].shape)}")
             optim = {k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")}
             if optim:
-                fresh = build_optimizer(self.model.parameters(), self.start.optimizer)
-                shapes = [p.shape for p in self.model.parameters()]
-                for name, value in optim.items():
-                    index, _, key = name.partition(".")
-                    if not index.isdigit() or int(index) >= len(shapes) or not all_finite(value) or (
-                            value.dim() and value.shape != shapes[int(index)]):
-                        raise BadMessage(f"optimizer state {name!r} does not fit this model")
-                try:
-                    unflatten_optimizer(fresh, optim, meta["optimizer"])  # type: ignore[arg-type]
-                except (KeyError, ValueError, TypeError, AttributeError) as exc:
-                    raise BadMessage(f"the optimizer state does not fit this model ({exc})") from exc
-                self.optimizer = fresh
+                self.optimizer = self._checked_optimizer(optim, meta)
             self.model.load_state_dict(model)
+
+    def _checked_optimizer(self, optim: dict[str, torch.Tensor], meta: dict[str, object]) -> torch.optim.Optimizer:
+        """A fresh optimizer on this model, holding a bank's optimizer state once every tensor of it is checked."""
+        fresh = build_optimizer(self.model.parameters(), self.start.optimizer)
+        groups = fresh.state_dict()["param_groups"]
+        described = meta.get("optimizer")
+        if not isinstance(described, dict) or "param_groups" not in described:
+            raise BadMessage("the optimizer state comes without its description (param_groups)")
+        # As JSON carries them (tuples become lists); a key only one torch version has is no difference.
+        mine, theirs = json.loads(json.dumps(groups)), described["param_groups"]
+        if not (isinstance(theirs, list) and len(theirs) == len(mine) and all(
+                isinstance(t, dict) and all(t[k] == m[k] for k in m.keys() & t.keys()) for t, m in zip(theirs, mine))):
+            raise BadMessage(f"the optimizer's hyper-parameters are this session's own (param_groups {mine}); "
+                             "they are not the bank's to change")
+        if described.get("scalars"):
+            raise BadMessage("the optimizer state holds values that are not tensors")
+        params, keys = list(self.model.parameters()), _OPTIMIZER_STATE[self.start.optimizer.optimizer]
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, value in optim.items():
+            index, _, key = name.partition(".")
+            if not (index.isdigit() and int(index) < len(params) and key in keys
+                    and _state_fits(key, value, params[int(index)])):
+                raise BadMessage(f"optimizer state {name!r} does not fit this model")
+            state.setdefault(int(index), {})[key] = value
+        for index, entry in state.items():
+            if set(entry) != set(keys):  # a parameter with some of its state: the optimizer's step fails on it
+                raise BadMessage(f"optimizer state for parameter {index} must be all of {sorted(keys)} or none")
+        fresh.load_state_dict({"state": state, "param_groups": groups})
+        return fresh
 
     def _at_boundary(self, what: str) -> None:
         if self._pending is not None:
@@ -255,14 +309,31 @@ class LayerSession:
             tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
             optim, meta = flatten_optimizer(self.optimizer, "optim")
             tensors.update(optim)
-            write_checkpoint(self.folder, step, tensors, {"optimizer": meta, "step": step}, keep=None)
+            write_checkpoint(self.folder, step, tensors, {"optimizer": meta, "step": step, "layout": self._layout()},
+                             keep=None)
+
+    def _layout(self) -> dict[str, object]:
+        """What a checkpoint's state fits: the model's shape and its optimizer (not the seed: only a start uses it)."""
+        return {"kind": self.kind, "in_width": self.in_width, **self.start.model_dump(
+            mode="json", include={"hidden", "out_width", "optimizer"})}
 
     def restore(self, step: int) -> None:
         """Go back to the checkpoint of step ``step``: weights, optimizer and step counter."""
         if self.folder is None:
             raise OutOfOrder("this session has no folder for checkpoints")
         with self.lock:
-            saved = read_checkpoint(self.folder, step)
+            if step not in checkpoint_steps(self.folder):  # never a path made from the bank's number
+                raise OutOfOrder(f"this session has no checkpoint of step {step}")
+            try:
+                saved = read_checkpoint(self.folder, step)
+            except DataError as exc:
+                logger.error("%s", exc)  # the path is the operator's to see, not the bank's
+                raise DataError(f"the checkpoint of step {step} is not readable") from exc
+            # A bank may resume a session with another model than the one that wrote the checkpoint: loading
+            # would fail half-way (a 500, the session half restored), or load another optimizer's state.
+            if saved.meta.get("layout") != self._layout():
+                raise OutOfOrder(f"the checkpoint of step {step} was written by another model "
+                                 f"({saved.meta.get('layout')}), not this session's ({self._layout()})")
             self.model.load_state_dict(saved.section("model"))
             unflatten_optimizer(self.optimizer, saved.section("optim"), saved.meta["optimizer"])
             self.step, self._pending, self._answers = step, None, {}

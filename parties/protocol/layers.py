@@ -17,6 +17,7 @@ retry after a lost reply never applies an update twice (exactly once). Checkpoin
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,7 +62,7 @@ class LayerStart(Message):
     in_width: int = Field(0, ge=0, le=1 << 16, description="trunk, server: the width the bank sends")
     hidden: tuple[int, ...] = Field((64,), max_length=16)
     out_width: int = Field(16, ge=1, le=1 << 16)
-    seed: int = 0
+    seed: int = Field(0, ge=-(1 << 63), lt=1 << 64, description="torch's generator takes no seed outside this range")
     optimizer: OptimizerConfig = OptimizerConfig()
     encoder: dict[str, object] | None = Field(None, description="bottom: the shared encoder (TabularEncoder.to_dict)")
     resume_step: int | None = Field(None, ge=0, description="load this step's checkpoint instead of starting afresh")
@@ -77,6 +78,10 @@ class LayerStart(Message):
             raise ValueError("a server session ends in one logit (binary task): out_width must be 1")
         if any(h < 1 for h in self.hidden):
             raise ValueError("hidden widths must be at least 1")
+        o = self.optimizer  # JSON carries 1e400 (and pydantic's reader Infinity): a model of NaN from its first step
+        if not (math.isfinite(o.learning_rate) and math.isfinite(o.weight_decay)):
+            raise ValueError(f"the optimizer's learning_rate ({o.learning_rate}) and weight_decay ({o.weight_decay}) "
+                             "must be finite")
         return self
 
 
