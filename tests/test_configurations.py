@@ -130,7 +130,7 @@ def model_part(tensors: Weights) -> Weights:
 
 def hosted(server: ServerThread, session: str) -> Weights:
     """What a service in this process holds for a session: its layers' weights, read directly."""
-    return {k: v.detach().clone() for k, v in server.app.state.host.sessions[session].model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in server.app.state.host.sessions[("bank", session)].model.state_dict().items()}
 
 
 # --- settings -------------------------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def test_the_default_settings_equal_their_twin_bit_for_bit(pki, owner_file: Path
     """``ConfigurationSettings(configuration=...)`` and nothing else: up to 40 epochs of batches of 1024, early
     stopping after 6 epochs without a better validation score, the best epoch's weights restored at every party."""
     settings = ConfigurationSettings(configuration=configuration)  # type: ignore[arg-type]
-    assert settings.training.restore_best and settings.fedavg_every == 0
+    assert settings.training.restore_best and settings.fedavg_every == 10
     if configuration in ("u-shaped", "vanilla"):
         table = load_party_table(owner_file, None, LABEL, labelled=True)
         _, outcome, remote = owner_split_run(pki, tmp_path, settings, table)
@@ -340,7 +340,7 @@ def _refused_out_of_order(response: httpx.Response) -> str:
 
 def _state(server: ServerThread, session: str) -> tuple[Weights, list[float]]:
     """A session's weights and its optimizer's step count per parameter (Adam counts every update)."""
-    held = server.app.state.host.sessions[session]
+    held = server.app.state.host.sessions[("bank", session)]
     steps = [float(held.optimizer.state[p]["step"]) if p in held.optimizer.state else 0.0
              for p in held.model.parameters()]
     return hosted(server, session), steps
@@ -388,7 +388,7 @@ def test_a_resent_forward_and_backward_are_answered_from_the_cache_and_applied_o
         assert torch.equal(decode(_post(client, compute, layers.FORWARD, "once", forward1).content,
                                   {"output": torch.float32}).get("output"), output)
         assert _equal_states(_state(compute, "once"), updated)
-        assert compute.app.state.host.sessions["once"].step == 1
+        assert compute.app.state.host.sessions[("bank", "once")].step == 1
 
         # The next step in order goes through; afterwards step 1 is no longer answered at all.
         assert _post(client, compute, layers.FORWARD, "once", encode({"x": x2}, session="once", step=2)).status_code == 200
@@ -434,7 +434,7 @@ def test_a_resent_vanilla_train_step_is_answered_from_the_cache_and_applied_once
         _refused_out_of_order(
             _post(client, compute, layers.TRAIN, "once", encode({"x": x2, "labels": y1}, session="once", step=3)))
         assert _equal_states(_state(compute, "once"), updated)
-        assert compute.app.state.host.sessions["once"].step == 1
+        assert compute.app.state.host.sessions[("bank", "once")].step == 1
         assert _post(client, compute, layers.TRAIN, "once",
                      encode({"x": x2, "labels": y1}, session="once", step=2)).status_code == 200
         assert _state(compute, "once")[1] == [2.0] * 4
