@@ -193,7 +193,7 @@ def configuration_walkthrough(settings: ConfigurationSettings, out: Path, *, row
     services: dict[str, ServiceProcess] = {}
     try:
         for name, role in others.items():
-            args = ["--name", name, "--tls-dir", str(out / "certs"), "--state-dir", str(out / name)]
+            args = ["--name", name, "--tls-dir", str(out / "certs"), "--state-dir", str(out / name), "--bank", "bank"]
             if role == "partner":
                 args += ["--data", str(paths[name])]
             services[name] = ServiceProcess("partner", args, out / name / "ready.json", out / "logs" / f"{name}.log",

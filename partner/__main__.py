@@ -73,6 +73,16 @@ def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
                    help=f"parameters of one session's layers (default {default_of(L, 'max_parameters')})")
     g.add_argument("--max-width", type=int, default=None,
                    help=f"widest layer (default {default_of(L, 'max_width')})")
+    g.add_argument("--session-ttl", type=float, default=None,
+                   help=f"seconds an idle session stays live, then dropped with its checkpoints kept for the bank "
+                        f"to resume (default {default_of(L, 'session_ttl')})")
+    g.add_argument("--min-stats-rows", type=int, default=None,
+                   help=f"branch: the fewest distinct rows column statistics are given on "
+                        f"(default {default_of(L, 'min_stats_rows')})")
+    g.add_argument("--bank", dest="banks", action="append", default=None, metavar="NAME",
+                   help="the bank this service holds layers for (its certificate name); repeat for several. "
+                        "Default: any bank the CA certifies. A branch should name its own: whoever starts a "
+                        "bottom sets its weights and can read the branch's rows through it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +127,9 @@ def serve_layers(args: argparse.Namespace) -> int:
     from partner.layer_service import create_layer_app
 
     cls = ComputeSettings if args.command == "compute" else BranchSettings
-    limits = {"max_sessions": args.max_sessions, "max_parameters": args.max_parameters, "max_width": args.max_width}
+    limits = {"max_sessions": args.max_sessions, "max_parameters": args.max_parameters, "max_width": args.max_width,
+              "session_ttl": args.session_ttl, "min_stats_rows": args.min_stats_rows,
+              "banks": tuple(args.banks) if args.banks else None}
     values = {k: v for k, v in service_values(args).items() if not (cls is ComputeSettings and k == "data")}
     settings = load_settings(cls, **values, **limits)
     assert isinstance(settings, (ComputeSettings, BranchSettings))
