@@ -3,7 +3,9 @@
 One small audited walkthrough serves every test here: it runs in a project folder
 without ``--out`` (so it writes ``runs/<stamp>/``), and the notebook is then
 executed by ``jupyter nbconvert`` with the kernel in ``notebooks/``, where
-Jupyter starts it, and no ``CUTLAYER_RUN``.
+Jupyter starts it, and no ``CUTLAYER_RUN``. Beside that run, ``runs/`` also holds
+small audited runs of the other configurations, which section 8 shows (and the
+notebook's first cell passes over, though they are newer).
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from bank.config import TrainingConfig
+from bank.configuration_runs import configuration_walkthrough
 from bank.lab.analysis import load_run
 from bank.lab.audit import label_leakage, model_completion
 from bank.lab.privacy_study import default_settings
+from bank.split_run import ConfigurationSettings
 from parties.errors import DataError
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
+CONFIGURATIONS = ["u-shaped", "vanilla", "relay", "splitfed"]
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +70,24 @@ def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.Note
     # Section 7 reads a cut-layer study kept in the run folder: two cuts are enough to draw its frontier.
     run_cut_study(audited_run / "cut-study", rows=3000, epochs=2,
                   grid=[CutPoint("width", cut_width=4), CutPoint("width")], cache=bank_full.parent, download=False)
+    # Section 8 reads runs of the other configurations beside the run, in the same runs/ folder.
+    for configuration in CONFIGURATIONS:
+        settings = ConfigurationSettings(configuration=configuration, training=TrainingConfig(epochs=2), audit=True)
+        configuration_walkthrough(settings, project / "runs" / configuration, rows=2000, cache_dir=bank_full.parent,
+                                  download=False)
+    return _execute(project, "notebooks/analysis.ipynb")
+
+
+def _execute(project: Path, notebook: str) -> nbformat.NotebookNode:
+    """``jupyter nbconvert --to notebook --execute`` from the project, without ``CUTLAYER_RUN``; the result."""
     env = {k: v for k, v in os.environ.items() if k != "CUTLAYER_RUN"}
     result = subprocess.run(
-        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "notebooks/analysis.ipynb",
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", notebook,
          "--ExecutePreprocessor.timeout=600"],
         capture_output=True, text=True, timeout=900, cwd=project, env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return nbformat.read(project / "notebooks" / "analysis.nbconvert.ipynb", as_version=4)
+    return nbformat.read(project / Path(notebook).with_suffix(".nbconvert.ipynb"), as_version=4)
 
 
 def _text(cell: nbformat.NotebookNode) -> str:
@@ -136,7 +152,7 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     images = sum(1 for c in executed.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
-    assert images == 7
+    assert images == 8
     (section7,) = [c for c in executed.cells if c.cell_type == "code" and "cut_study(run)" in c.source]
     shown = _text(section7)
     assert "no cut-layer study" not in shown and "strongest_label_leak_auc" in shown and "bytes_per_step" in shown
@@ -215,3 +231,49 @@ def test_the_subset_study_compares_the_bank_only_choices_on_the_run(audited_run:
     # Batch seed 0 from the bottom's own initial weights is the run's split model, bit for bit.
     assert warm.loc[0, "from its own initial weights"] == pytest.approx(metrics["test"]["roc_auc"], abs=1e-12)
     assert 0.5 < warm.loc[0, "bank bottom pretrained"] <= 1
+
+
+def _section8(cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
+    (cell,) = [c for c in cells if c.cell_type == "code" and "other_configurations(run)" in c.source]
+    return cell
+
+
+def test_section_8_sets_the_other_configurations_and_their_audits_beside_the_run(
+        executed: nbformat.NotebookNode, audited_run: Path) -> None:
+    shown = _text(_section8(executed.cells))
+    assert "no runs of the other configurations" not in shown and "python -m bank walkthrough" not in shown
+    assert all(c in shown for c in CONFIGURATIONS) and "test_roc_auc" in shown and "round_trips" in shown
+    assert "strongest label leak AUC" in shown and "mean inversion R²" in shown  # the audit's headlines
+    assert any("image/png" in o.get("data", {}) for o in _section8(executed.cells).outputs)  # the learning curves
+
+    analysis = audited_run / "analysis"
+    table = pd.read_csv(analysis / "configurations.csv").set_index("configuration")
+    assert list(table.index) == CONFIGURATIONS and table["audited"].all()
+    for configuration in CONFIGURATIONS:
+        metrics = json.loads((audited_run.parent / configuration / "metrics.json").read_text())
+        assert table.loc[configuration, "test_roc_auc"] == pytest.approx(metrics["test"]["roc_auc"])
+        assert table.loc[configuration, "round_trips"] == sum(c["round_trips"] for c in metrics["communication"].values())
+    assert (table["epochs_run"] == 2).all() and (table["bytes"] > 0).all()
+    assert (analysis / "configuration_curves.png").stat().st_size > 10_000
+    headlines = pd.read_csv(analysis / "configuration_audit_headlines.csv")
+    leaks = headlines[headlines["target"] == "labels"].set_index("configuration")["value"]
+    assert leaks["u-shaped"] > 0.9 and leaks["vanilla"] == 1.0  # the cut-2 gradients leak; vanilla holds them
+    assert (leaks[["relay", "splitfed"]] > 0.9).all()  # every branch reads its customers' labels
+    assert (audited_run.parent / "u-shaped" / "audit" / "leakage.csv").exists()  # the audit is kept with its run
+
+
+def test_without_runs_of_the_other_configurations_section_8_prints_the_commands_that_make_them(
+        audited_run: Path, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(audited_run, project / "runs" / audited_run.name, ignore=shutil.ignore_patterns("analysis"))
+    source = nbformat.read(NOTEBOOK, as_version=4)
+    (project / "notebooks").mkdir()
+    # The notebook's own first cell (it finds the run) and its section 8, on a runs/ folder with the run alone.
+    trimmed = nbformat.v4.new_notebook(cells=[source.cells[1], _section8(source.cells)], metadata=source.metadata)
+    nbformat.write(trimmed, project / "notebooks" / "section8.ipynb")
+    executed = _execute(project, "notebooks/section8.ipynb")
+    assert f"run folder: {project / 'runs' / audited_run.name}" in _text(executed.cells[0])
+    shown = _text(executed.cells[1])
+    assert "no runs of the other configurations beside this run" in shown
+    for configuration in CONFIGURATIONS:
+        assert f"python -m bank walkthrough --configuration {configuration} --audit" in shown

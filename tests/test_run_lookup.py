@@ -75,6 +75,22 @@ def test_the_nearest_folder_with_a_run_wins_and_an_empty_runs_folder_is_passed_o
     assert latest_run() == project / "notebooks" / "runs" / "nearer"
 
 
+def test_a_newer_run_of_another_configuration_is_passed_over_and_not_read_as_a_vertical_run(
+        project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    vertical = fake_run(project / "runs" / "20260101-000000")
+    set_mtime(vertical, 1_000_000)
+    for name, configuration in (("20260102-000000", "u-shaped"), ("20260103-000000", "vertical")):
+        (project / "runs" / name).mkdir()
+        (project / "runs" / name / "metrics.json").write_text(json.dumps({"configuration": configuration}))
+        set_mtime(project / "runs" / name, 2_000_000)
+    monkeypatch.chdir(project / "notebooks")
+    assert latest_run() == project / "runs" / "20260103-000000"  # "vertical" named outright is still vertical
+    os.remove(project / "runs" / "20260103-000000" / "metrics.json")
+    assert load_run().path == vertical  # the U-shaped run is newer, and no vertical run
+    with pytest.raises(DataError, match="is a u-shaped run, not a vertical one"):
+        load_run("runs/20260102-000000")
+
+
 def test_no_run_anywhere_says_where_it_looked(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(project / "notebooks")
     with pytest.raises(DataError, match=f"no run under runs/ in {project / 'notebooks'} or any folder above it"):

@@ -38,6 +38,7 @@ __all__ = [
     "privacy_frontiers",
     "privacy_study",
     "hijack_study",
+    "is_configuration_run",
     "reliability_figure",
     "resolve_run",
     "roc_pr_curves",
@@ -95,6 +96,15 @@ class Run:
         return next((c for c in candidates if c.exists()), self.path / stored)
 
 
+def is_configuration_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run of a configuration other than vertical (its ``metrics.json`` names one)."""
+    try:
+        metrics = json.loads((Path(folder) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("configuration", "vertical") != "vertical"
+
+
 def _upward(start: Path | None) -> list[Path]:
     """``start`` (default: the working directory) and every folder above it, nearest first."""
     here = Path.cwd() if start is None else Path(start).resolve()
@@ -102,7 +112,8 @@ def _upward(start: Path | None) -> list[Path]:
 
 
 def latest_run(root: Path | str = "runs", start: Path | None = None) -> Path:
-    """The most recently written run folder under ``root``.
+    """The most recently written vertical run folder under ``root`` (runs of the other configurations, which
+    the notebook shows beside it in its section 8, are passed over).
 
     A relative ``root`` is looked up as git looks up its repository: in
     ``start`` (default: the working directory), else in the nearest folder
@@ -112,7 +123,8 @@ def latest_run(root: Path | str = "runs", start: Path | None = None) -> Path:
     root = Path(root)
     upward = _upward(start)
     for folder in [root] if root.is_absolute() else [folder / root for folder in upward]:
-        candidates = sorted(folder.glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
+        candidates = sorted((p for p in folder.glob("*/metrics.json") if not is_configuration_run(p.parent)),
+                            key=lambda p: p.stat().st_mtime)
         if candidates:
             return candidates[-1].parent
     where = root if root.is_absolute() else f"{root}/ in {upward[0]} or any folder above it"
@@ -142,11 +154,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_run(path: Path | str | None = None, root: Path | str = "runs") -> Run:
     """Read a run folder (default: the latest under ``runs/`` here or above); see ``resolve_run``."""
     folder = resolve_run(path) if path is not None else latest_run(root)
+    metrics = _read_json(folder / "metrics.json")
+    if is_configuration_run(folder):
+        raise DataError(f"{folder} is a {metrics['configuration']} run, not a vertical one: its audit is "
+                        "bank.lab.config_audit.configuration_audit, and the notebook's section 8 shows it")
     summary_path = folder / "summary.json"
     return Run(
         path=folder,
         config=_read_json(folder / "config.json"),
-        metrics=_read_json(folder / "metrics.json"),
+        metrics=metrics,
         history=pd.read_csv(folder / "history.csv"),
         split=pd.read_csv(folder / "split.csv"),
         predictions=pd.read_csv(folder / "test_predictions.csv"),

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from safetensors.numpy import load_file
+from sklearn.dummy import DummyRegressor
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import r2_score, roc_auc_score
 from sklearn.neural_network import MLPRegressor
@@ -187,11 +188,18 @@ def inversion_rows(
     partner: str, embedding: np.ndarray, truth: np.ndarray, own: np.ndarray, names: list[str], seed: int = 0,
     aux_fraction: float = 0.5,
 ) -> list[dict[str, object]]:
-    """Per partner feature: R² of decoding it from (embedding, bank's columns), minus from the bank's columns."""
+    """Per partner feature: R² of decoding it from (embedding, bank's columns), minus from the bank's columns.
+
+    ``own`` may have no columns (an attacker that holds none of its own, e.g. a compute party): its baseline
+    is then the constant guess, the mean of the auxiliary rows (R² about 0).
+    """
     order = np.random.default_rng(seed).permutation(len(truth))
     aux, held = order[: int(aux_fraction * len(order))], order[int(aux_fraction * len(order)) :]
 
     def probe(x: np.ndarray) -> dict[str, float]:
+        if x.shape[1] == 0:
+            constant = DummyRegressor(strategy="mean").fit(np.zeros((len(aux), 1)), truth[aux])
+            return _r2_by_feature(truth[held], constant.predict(np.zeros((len(held), 1))), names)
         model = MLPRegressor(hidden_layer_sizes=(64,), max_iter=400, early_stopping=True, random_state=seed)
         with warnings.catch_warnings():  # a probe that stops at max_iter still gives a valid lower bound
             warnings.simplefilter("ignore", ConvergenceWarning)
