@@ -7,6 +7,9 @@ another's rows. Two schedules:
 - **relay** (the original protocol): branches train in turn, in a fixed order; each starts from the
   client-side state the previous one left (weights and optimizer moments, handed on through the bank). This
   is exactly sequential training of one model on the concatenated schedule, and the tests prove it bit for bit.
+
+A step costs a branch one round trip: its message carries the gradient of the branch's previous step and the
+rows of the next (``LayerPeer.step``); the last gradient is sent on its own before weights move.
 - **splitfed**: every branch trains at once on its own copy (one batch each per step, sent in parallel; the
   bank's top takes their batches together), and the bank averages the copies, weighted by training rows
   (FedAvg), every ``fedavg_every`` steps and at every epoch end.
@@ -203,17 +206,21 @@ class HorizontalTrainer:
     def _relay_epoch(self, epoch: int, handed: tuple[dict[str, torch.Tensor], dict[str, object]] | None) -> tuple[list[float], tuple[dict[str, torch.Tensor], dict[str, object]]]:
         t = self.settings.training
         losses = []
-        for b in self.order:
+        for i, b in enumerate(self.order):
             peer = self.peers[b]
-            if handed is not None:
+            if i > 0:  # the first branch holds it already: every branch got the relay's model at the epoch's end
+                assert handed is not None
                 peer.load_weights(*handed)
+            pending: torch.Tensor | None = None
             for rows in epoch_batches(self.labels[b].split.train, t.batch_size, t.seed, epoch):
                 self.steps[b] += 1
-                z = peer.forward(self.steps[b], rows)
+                z = peer.step(self.steps[b], pending, rows)  # the last step's gradient and this step's rows
                 loss, (grad,) = self._top_step([z], self.labels[b].targets[rows])
                 self._record(b, epoch, rows, grad)
-                peer.backward(self.steps[b], grad)
+                pending = grad
                 losses.append(loss)
+            if pending is not None:
+                peer.backward(self.steps[b], pending)
             handed = peer.weights(optimizer=True)
         assert handed is not None
         return losses, handed
@@ -223,21 +230,32 @@ class HorizontalTrainer:
         batches = {b: epoch_batches(self.labels[b].split.train, t.batch_size, t.seed, epoch) for b in self.order}
         longest = max(len(v) for v in batches.values())
         losses = []
+        pending: dict[str, torch.Tensor] = {}  # each branch's last gradient, sent with its next rows
+
+        def step(b: str, j: int) -> torch.Tensor:
+            return self.peers[b].step(self.steps[b], pending.pop(b, None), batches[b][j])
+
         for j in range(longest):
             active = [b for b in self.order if j < len(batches[b])]
             for b in active:
                 self.steps[b] += 1
-            zs = list(self._pool.map(lambda b: self.peers[b].forward(self.steps[b], batches[b][j]), active))
+            zs = list(self._pool.map(lambda b: step(b, j), active))
             targets = torch.cat([self.labels[b].targets[batches[b][j]] for b in active])
             loss, grads = self._top_step(zs, targets)
             for b, g in zip(active, grads):
                 self._record(b, epoch, batches[b][j], g)
-            list(self._pool.map(lambda bg: self.peers[bg[0]].backward(self.steps[bg[0]], bg[1]), zip(active, grads)))
+                pending[b] = g
             losses.append(loss)
             every = self.settings.fedavg_every
             if (every and (j + 1) % every == 0) or j == longest - 1:
+                self._flush(pending)
                 self._average()
         return losses
+
+    def _flush(self, pending: dict[str, torch.Tensor]) -> None:
+        """Send every gradient still owed (before the weights are read: a branch applies it first)."""
+        list(self._pool.map(lambda b: self.peers[b].backward(self.steps[b], pending[b]), list(pending)))
+        pending.clear()
 
     def _average(self) -> None:
         got = list(self._pool.map(lambda b: self.peers[b].weights(optimizer=False), self.order))
@@ -276,7 +294,7 @@ class HorizontalTrainer:
                 began = time.perf_counter()
                 if self.settings.configuration == "relay":
                     losses, handed = self._relay_epoch(epoch, handed)
-                    for b in self.order:  # every branch evaluates (and checkpoints) the model the relay reached
+                    for b in self.order[:-1]:  # every branch evaluates (and checkpoints) the model the relay reached
                         self.peers[b].load_weights(*handed)
                 else:
                     losses = self._splitfed_epoch(epoch)

@@ -177,6 +177,14 @@ class LayerPeer:
                           len(x) * self.out_width)
         return self._shaped(m.get("output"), (len(x), self.out_width), f"the output of step {step}")
 
+    def step(self, step: int, grad: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """A branch's step in one round trip: the gradient of step ``step - 1`` (``None``: none due), then the
+        embedding of ``rows`` for step ``step``."""
+        tensors = {"x": rows} if grad is None else {"grad": grad, "x": rows}
+        m = self._tensors(layers.STEP, f"step {step}", tensors, step, {"output": torch.float32},
+                          len(rows) * self.out_width)
+        return self._shaped(m.get("output"), (len(rows), self.out_width), f"the output of step {step}")
+
     def backward(self, step: int, grad: torch.Tensor) -> torch.Tensor | None:
         assert self.info is not None, "start the session first"
         m = self._tensors(layers.BACKWARD, f"backward of step {step}", {"grad": grad}, step, {"grad": torch.float32},

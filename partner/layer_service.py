@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from parties.errors import BadMessage, ConfigError, DataError, Forbidden, OverBudget, UnknownSession
+from parties.errors import BadMessage, ConfigError, DataError, Forbidden, OutOfOrder, OverBudget, UnknownSession
 from parties.learning.layer_host import LayerSession, count_parameters
 from parties.learning.model import prepare_optimizers
 from parties.protocol import layers
@@ -247,6 +247,27 @@ async def forward(session_id: str, request: Request, who: PeerIdentity = Depends
     tensors, step = await _tensors(request, h, {"x": (torch.float32, torch.int64)})
     (x,) = _need(tensors, "x")
     return _reply(session_id, step, {"output": await run_in_threadpool(session.forward, step, x)})
+
+
+@routes.post(layers.STEP)
+async def step(session_id: str, request: Request, who: PeerIdentity = Depends(bank_only),
+               h: LayerHost = Depends(host)) -> Response:
+    """A bottom's step in one round trip: apply the gradient of step ``step - 1`` (if sent), then embed the rows.
+
+    Each half is exactly once on its own (``LayerSession``), so a resent message changes nothing twice."""
+    session = h.session(session_id, who.name)
+    tensors, number = await _tensors(request, h, {"grad": _FLOATS, "x": torch.int64})
+    (x,) = _need(tensors, "x")
+    if session.kind != "bottom":
+        raise OutOfOrder(f"a {session.kind} session steps with forward and backward: only a bottom's gradient and "
+                         "next rows can share a round trip")
+
+    def both() -> torch.Tensor:
+        if "grad" in tensors:
+            session.backward(number - 1, tensors["grad"])
+        return session.forward(number, x)
+
+    return _reply(session_id, number, {"output": await run_in_threadpool(both)})
 
 
 @routes.post(layers.BACKWARD)

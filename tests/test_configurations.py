@@ -26,7 +26,7 @@ import torch
 
 from bank.config import TopConfig, TrainingConfig
 from bank.configuration_runs import read_labels
-from bank.horizontal import HorizontalOutcome, HorizontalTrainer, branch_labels, fedavg, merge_encoder
+from bank.horizontal import HorizontalOutcome, HorizontalTrainer, bottom_start, branch_labels, fedavg, merge_encoder
 from bank.lab.twins import encode_branches, horizontal_twin, owner_twin
 from bank.layer_peer import LayerPeer
 from bank.owner import OwnerOutcome, OwnerTrainer, compute_start, owner_data
@@ -672,3 +672,48 @@ def test_fedavg_is_the_row_weighted_mean() -> None:
     assert torch.equal(halves["w"], torch.full((4,), 0.75))
     same = fedavg([states[0]] * 3, rows)  # averaging identical copies changes nothing
     assert all(torch.equal(same[k], states[0][k]) for k in states[0])
+
+
+def test_a_branch_step_is_one_round_trip_and_a_resent_one_is_applied_once(pki, branch_files: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """The gradient of step s-1 and the rows of step s share one message. Sent twice, it gets the same answer and
+    updates the bottom once; a trunk refuses it (its next activations need its input gradient first)."""
+    files = _branches_of(branch_files)
+    name = sorted(files)[0]
+    settings = ConfigurationSettings(configuration="relay")
+    with branch_services(pki, tmp_path, {name: files[name]}) as servers, bank_client(pki) as client:
+        server = servers[name]
+        peer = LayerPeer(name, server.url, client, "partner")
+        stats = peer.stats(list(range(200)))
+        peer.start(bottom_start(settings, "combined", merge_encoder([stats])))
+        rows1, rows2 = torch.arange(0, 16), torch.arange(16, 32)
+        z1 = peer.step(1, None, rows1)
+        assert _state(server, "combined")[1] == [0.0] * 4  # no gradient yet: nothing applied
+        grad1 = torch.full_like(z1, 0.01)
+        message = encode({"grad": grad1, "x": rows2}, session="combined", step=2)
+        first, again = (_post(client, server, layers.STEP, "combined", message) for _ in range(2))
+        assert first.status_code == again.status_code == 200
+        assert torch.equal(decode(first.content, {"output": torch.float32}).get("output"),
+                           decode(again.content, {"output": torch.float32}).get("output"))
+        assert _state(server, "combined")[1] == [1.0] * 4, "a resent step applied its gradient twice"
+        before = peer.round_trips
+        peer.step(3, torch.zeros(16, settings.bottom.cut_width), torch.arange(32, 48))
+        assert peer.round_trips - before == 1
+        peer.end()
+    with compute_service(pki, tmp_path / "compute") as compute, bank_client(pki) as client:
+        LayerPeer("compute", compute.url, client, "compute").start(
+            layers.LayerStart(session="t", kind="trunk", in_width=6, hidden=(5,), out_width=4, seed=3))
+        refused = _post(client, compute, layers.STEP, "t", encode({"x": torch.arange(4)}, session="t", step=1))
+        assert refused.status_code == 409 and "only a bottom" in refused.json()["detail"]
+
+
+def test_a_relay_step_costs_one_round_trip_per_batch(pki, branch_files: dict[str, Path], tmp_path: Path) -> None:
+    """A relay epoch costs each branch its batches plus a handful of calls (weights in and out, the last gradient,
+    evaluation, a checkpoint), not two round trips per batch."""
+    settings = ConfigurationSettings(configuration="relay", training=TrainingConfig(epochs=2, batch_size=8))
+    trainer, outcome, _ = horizontal_split_run(pki, tmp_path, settings, branch_files)
+    epochs = len(outcome.book.history)
+    for name, peer in trainer.peers.items():
+        steps = outcome.steps[name]
+        assert steps >= 40, steps  # so that two round trips per batch could not fit under the bound below
+        assert peer.round_trips <= steps + 8 * epochs + 8, (name, peer.round_trips, steps)

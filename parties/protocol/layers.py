@@ -12,6 +12,9 @@ Two configurations of split learning beside vertical use it:
 Bodies are JSON for control and safetensors (``parties.protocol.wire``) for tensors, as for vertical.
 A training step is numbered; a step already answered is answered again from the party's cache, so a
 retry after a lost reply never applies an update twice (exactly once). Checkpoints are numbered by step.
+A branch's steps take one round trip each (``STEP``: the gradient of step *s−1*, then the rows of step *s*),
+as vertical's do; a trunk's take two, because the bank's bottom needs the trunk's input gradient of step
+*s* before it can compute step *s+1*'s activations.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from parties.learning.config import OptimizerConfig
 from parties.protocol.common import Message
 
 __all__ = [
-    "BACKWARD", "CHECKPOINT", "FORWARD", "PREDICT", "RESTORE", "SESSION", "SESSIONS", "STATS", "TRAIN", "WEIGHTS",
+    "BACKWARD", "CHECKPOINT", "FORWARD", "PREDICT", "RESTORE", "SESSION", "SESSIONS", "STATS", "STEP", "TRAIN",
+    "WEIGHTS",
     "LayerInfo", "LayerKind", "LayerStart", "StatsReply", "StatsRequest", "ids_sha256",
 ]
 
@@ -36,6 +40,8 @@ SESSION = "/layers/sessions/{session_id}"
 FORWARD = "/layers/sessions/{session_id}/forward"
 BACKWARD = "/layers/sessions/{session_id}/backward"
 TRAIN = "/layers/sessions/{session_id}/train"
+#: A bottom's step in one round trip: the gradient of the step before (if any), then the next batch's rows.
+STEP = "/layers/sessions/{session_id}/step"
 PREDICT = "/layers/sessions/{session_id}/predict"
 CHECKPOINT = "/layers/sessions/{session_id}/checkpoints/{step}"
 RESTORE = "/layers/sessions/{session_id}/restore/{step}"
