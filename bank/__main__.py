@@ -347,9 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     w = command(sub, "walkthrough", "run the bank-marketing walkthrough end to end", handler=commands.walkthrough)
     w.add_argument("--configuration", choices=["vertical", "u-shaped", "vanilla", "relay", "splitfed"],
                    default="vertical",
-                   help="vertical (default): the bank and partners hold different columns; u-shaped/vanilla: the "
-                        "bank owns every column and rents a compute party; relay/splitfed: the bank's customers "
-                        "at 3 branches (README: configurations)")
+                   help="vertical: the bank and partners hold different columns; u-shaped/vanilla: the bank owns "
+                        "every column and rents a compute party; relay/splitfed: the bank's customers at 3 branches "
+                        "(README: other configurations) (default vertical)")
     w.add_argument("--branches", type=int, default=None, help="relay, splitfed: how many branches (default 3)")
     w.add_argument("--fedavg-every", type=int, default=None, metavar="N",
                    help="splitfed: average the branches' bottoms every N steps, and at epoch ends (default 10; 0: "

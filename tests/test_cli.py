@@ -18,11 +18,12 @@ import data.__main__ as data_cli
 import parties.__main__ as parties_cli
 import partner.__main__ as partner_cli
 from bank.config import TrainingConfig
+from bank.split_run import ConfigurationSettings
 from parties.cli import run_cli
 from parties.learning.embedding_dp import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
-from parties.settings import BankSettings, ServiceSettings
+from parties.settings import BankSettings, LayerHostSettings, ServiceSettings
 
 PARSERS = {
     "bank": bank_cli.build_parser,
@@ -99,6 +100,12 @@ MODEL_DEFAULTS = {
     ("bank train", "--aggregation"): _field(TrainingConfig, "aggregation"),
     ("bank train", "--seed"): _field(TrainingConfig, "seed"),
     ("bank walkthrough", "--epochs"): _field(TrainingConfig, "epochs"),
+    **{(f"bank {command}", "--fedavg-every"): _field(ConfigurationSettings, "fedavg_every")
+       for command in ("walkthrough", "train-branches", "config-bench")},
+    **{(f"partner {command}", flag): _field(LayerHostSettings, field) for command in ("compute", "branch")
+       for flag, field in (("--max-sessions", "max_sessions"), ("--max-parameters", "max_parameters"),
+                           ("--max-width", "max_width"), ("--session-ttl", "session_ttl"),
+                           ("--min-stats-rows", "min_stats_rows"))},
     **{(f"bank {command}", flag): _field(TrainingConfig, field) for command in ("train", "walkthrough")
        for flag, field in (("--gradient-defense", "gradient_defense"), ("--marvell-power", "marvell_power"))},
     **{(f"{role} serve", flag): _field(ServiceSettings, field) for role in ("bank", "partner")
