@@ -260,6 +260,9 @@ def _configuration_settings(configuration: str, path: Path | None, **overrides: 
             raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: settings are a JSON object, e.g. {{\"training\": {{\"epochs\": 20}}}}")
+    named = values.pop("configuration", configuration)  # a run's own config.json names it
+    if named != configuration:
+        raise ConfigError(f"{path} is a {named} configuration's settings; this command runs {configuration}")
     training = dict(values.pop("training", {}) or {})
     for key in ("epochs", "seed"):
         if overrides.get(key) is not None:
@@ -350,7 +353,8 @@ def _configuration_walkthrough(args: argparse.Namespace) -> int:
                                        audit=args.audit, fedavg_every=args.fedavg_every)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     summary = configuration_walkthrough(settings, out, rows=args.rows, seed=args.seed, cache_dir=args.cache_dir,
-                                        download=not args.no_download, branches=args.branches or 3)
+                                        download=not args.no_download,
+                                        branches=args.branches if args.branches is not None else 3)
     if not args.no_reference:
         from bank.lab.twins import reference_for_run
 

@@ -80,11 +80,18 @@ def _bar(desc: str) -> tuple[tqdm, Any]:
     return bar, progress
 
 
+def _fresh(out: Path) -> None:
+    """Refuse a run folder that already holds a run: two runs' files would mix (a model of one beside the other's)."""
+    if (out / "metrics.json").exists():
+        raise ConfigError(f"{out} already holds a run ({out / 'metrics.json'}); give another --out")
+
+
 def owner_run(settings: ConfigurationSettings, data: Path, *, label: str | None, compute: tuple[str, str],
               tls: TLSFiles | None, bank_name: str, out: Path, retry_deadline: float = 60.0) -> dict[str, Any]:
     """U-shaped or vanilla: train on the bank's file ``data`` with the compute party at ``compute`` (name, URL)."""
     if settings.configuration not in OWNER_CONFIGURATIONS:
         raise ConfigError(f"{settings.configuration} is not one of {OWNER_CONFIGURATIONS}")
+    _fresh(out)
     torch.set_num_threads(1)  # small MLPs: one thread is fastest, and the same on every machine
     table = load_party_table(data, None, label, labelled=True)
     prepared = owner_data(table, settings.training)
@@ -135,6 +142,7 @@ def horizontal_run(settings: ConfigurationSettings, labels_file: Path, *, branch
     """Relay or SplitFed: the bank's labels (``customer_id, branch, y``) against its branches (name -> URL)."""
     if settings.configuration not in HORIZONTAL_CONFIGURATIONS:
         raise ConfigError(f"{settings.configuration} is not one of {HORIZONTAL_CONFIGURATIONS}")
+    _fresh(out)
     torch.set_num_threads(1)
     frame = read_labels(labels_file)
     named = sorted(frame[BRANCH_COLUMN].astype(str).unique())
@@ -179,6 +187,10 @@ def configuration_walkthrough(settings: ConfigurationSettings, out: Path, *, row
                               cache_dir: Path | None = None, download: bool = True, branches: int = 3) -> dict[str, Any]:
     """Files, certificates, every other party a separate service, the bank's run; ``OUT/summary.json``."""
     configuration = settings.configuration
+    _fresh(out)
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{out} is not empty: a walkthrough writes its data, certificates and run there; give "
+                          "another --out")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     locate_bank_full(cache_dir, download=download)

@@ -167,9 +167,13 @@ class HorizontalTrainer:
             return self.peers[branch].stats(self.labels[branch].split.train.tolist())
         except (PeerUnavailable, PeerUntrusted):
             raise
-        except PeerError as exc:  # it answered, and refused the rows our labels name: say which file to check
+        except PeerError as exc:
+            text = str(exc)
+            if "positions must" not in text:  # another refusal (who may call, too few rows): its own words say why
+                raise
+            # It refused the rows our labels name: say which files to check.
             raise PeerError(f"branch {branch!r} refused the column statistics of the training rows the bank's labels "
-                            f"name for it ({len(self.labels[branch].targets)} rows in all; it answered: {exc}): "
+                            f"name for it ({len(self.labels[branch].targets)} rows in all; it answered: {text}): "
                             "do the labels name more rows for it than it holds? check both files") from exc
 
     def start(self) -> None:

@@ -54,10 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
          "job (seeded, non-IID), every column at each branch, the labels at the bank", _branches_command),
     ):
         c = command(sub, name, summary, handler=handler)
-        c.add_argument("--out", type=Path, required=True, help="folder for OUT/<party>/<party>.csv")
         if name == "bank-branches":
+            c.add_argument("--out", type=Path, required=True, help="folder for OUT/<branch>/<branch>.csv, the "
+                           "bank's OUT/bank/labels.csv and OUT/branches.json (which jobs each branch holds)")
             c.add_argument("--branches", type=int, default=3, help="how many branches (default %(default)s)")
-        c.add_argument("--seed", type=int, default=0, help="seed of the slice and the branches' jobs (default %(default)s)")
+        else:
+            c.add_argument("--out", type=Path, required=True, help="folder for OUT/bank/bank.csv")
+        c.add_argument("--seed", type=int, default=0,
+                       help="seed of the slice" + (" and of which branch each job goes to" if name == "bank-branches"
+                                                   else "") + " (default %(default)s)")
         c.add_argument("--rows", type=int, default=None, help="keep a seeded random slice of N customers")
         c.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
         c.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")

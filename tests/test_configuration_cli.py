@@ -98,6 +98,32 @@ def test_flags_another_configuration_lacks_are_refused_in_one_line(tmp_path: Pat
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_a_run_folder_is_never_reused_and_a_runs_own_config_is_read_back(tmp_path: Path) -> None:
+    """Two runs' files must not mix in one folder; a run's config.json is valid --config for its configuration
+    and refused, in one line, for another."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.json").write_text("{}")
+    run = _run(["bank", "walkthrough", "--configuration", "u-shaped", "--out", str(used), "--no-download"], tmp_path)
+    assert run.returncode != 0 and "already holds a run" in run.stderr and "Traceback" not in run.stderr
+    (used / "metrics.json").unlink()
+    (used / "left-over.txt").write_text("x")
+    run = _run(["bank", "walkthrough", "--configuration", "relay", "--out", str(used), "--no-download"], tmp_path)
+    assert run.returncode != 0 and "is not empty" in run.stderr
+
+    from bank.split_run import ConfigurationSettings
+
+    config = tmp_path / "config.json"
+    config.write_text(ConfigurationSettings(configuration="relay").model_dump_json())
+    common = ["--compute", "c=https://127.0.0.1:1", "--data", "bank.csv", "--insecure", "--config", str(config)]
+    run = _run(["bank", "train-owner", "--configuration", "u-shaped", *common], tmp_path)
+    assert run.returncode != 0 and "is a relay configuration's settings" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    run = _run(["bank", "train-branches", "--configuration", "relay", "--labels", str(tmp_path / "missing.csv"),
+                "--branch", "b=https://127.0.0.1:1", "--insecure", "--config", str(config)], tmp_path)
+    assert run.returncode != 0 and "missing.csv" in run.stderr and "configuration's settings" not in run.stderr
+
+
 @pytest.mark.parametrize(("argv", "reason"), [
     (["train-branches", "--configuration", "relay", "--labels", "labels.csv", "--tls-dir", "certs"],
      "give every branch: --branch NAME=URL"),
