@@ -35,6 +35,8 @@ __all__ = ["LayerPeer"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: Seconds a party that has never answered is retried before the bank says so (a wrong URL, a service not started).
+FIRST_CONTACT_DEADLINE = 5.0
 #: The most a weights answer may hold (a branch's bottom and its optimizer's moments).
 WEIGHTS_LIMIT = 256 << 20
 #: Room for a message's header beside its tensors (``parties.protocol.wire.parse`` refuses a longer one).
@@ -52,6 +54,7 @@ class LayerPeer:
         self.name, self.url, self.client, self.role = name, url.rstrip("/"), client, role
         self.retry_deadline, self.answer_deadline = retry_deadline, answer_deadline
         self.session_id = ""
+        self.answered = False  # whether this party has ever answered (then a silence may be a restart)
         self.layer_start: layers.LayerStart | None = None
         self.info: layers.LayerInfo | None = None
         self.bytes_sent = self.bytes_received = self.round_trips = self.retries = 0
@@ -116,11 +119,17 @@ class LayerPeer:
             self.retries += 1
             logger.warning("%s %s did not answer (%s); sending it again", self.role, self.name, what)
 
+        # A party that has answered before may be restarting: retry it for the whole deadline. One that never
+        # answered is more likely a wrong address or port: say so within seconds.
+        deadline = self.retry_deadline if self.answered else min(self.retry_deadline, FIRST_CONTACT_DEADLINE)
         try:
-            return retry_policy(self.retry_deadline, note)(lambda: self._once(method, path, what, **kwargs))
+            content = retry_policy(deadline, note)(lambda: self._once(method, path, what, **kwargs))
         except PeerUnavailable as exc:
+            hint = "" if self.answered else " (it never answered: is the URL right, and the service started?)"
             raise PeerUnavailable(f"{self.role} {self.name!r} at {self.url} did not answer ({what}) for "
-                                  f"{self.retry_deadline:.0f}s: {exc.__cause__ or exc}") from exc
+                                  f"{deadline:.0f}s{hint}: {exc.__cause__ or exc}") from exc
+        self.answered = True
+        return content
 
     def _tensors(self, template: str, what: str, tensors: dict[str, torch.Tensor], step: int,
                  answer: dict[str, object], elements: int) -> WireMessage:

@@ -138,3 +138,19 @@ def test_the_by_hand_commands_refuse_what_they_cannot_use(tmp_path: Path, argv: 
     run = _run(["bank", *argv], tmp_path, timeout=120)
     assert run.returncode != 0 and reason in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_party_that_never_answered_is_reported_within_seconds_not_retried_for_a_minute() -> None:
+    """A wrong port is not a restart: the first call gives up after a few seconds and says what to check."""
+    import httpx
+
+    from bank.layer_peer import FIRST_CONTACT_DEADLINE, LayerPeer
+    from parties.errors import PeerUnavailable
+
+    port = _free_port()  # nothing listens there
+    with httpx.Client() as client:
+        peer = LayerPeer("branch-1", f"http://127.0.0.1:{port}", client, "partner", retry_deadline=60)
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="it never answered: is the URL right"):
+            peer.stats(list(range(200)))
+    assert time.monotonic() - started < FIRST_CONTACT_DEADLINE + 5
