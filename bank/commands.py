@@ -189,17 +189,23 @@ def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingC
     return config
 
 
+def _json_settings(path: Path | None, example: str) -> dict[str, Any]:
+    """The settings object a ``--config`` file holds (``{}`` without one); a clear refusal for anything else."""
+    if path is None:
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: settings are a JSON object, e.g. {example}")
+    return values
+
+
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
     from parties.settings import describe_problems
 
-    values: dict[str, object] = {}
-    if path is not None:
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: training settings are a JSON object, e.g. {{\"epochs\": 20}}")
+    values = _json_settings(path, '{"epochs": 20}')
     values |= {k: v for k, v in overrides.items() if v is not None}
     where = f" in {path}" if path else ""
     misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
@@ -252,14 +258,7 @@ def _configuration_settings(configuration: str, path: Path | None, **overrides: 
     from bank.split_run import ConfigurationSettings
     from parties.settings import describe_problems
 
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: settings are a JSON object, e.g. {{\"training\": {{\"epochs\": 20}}}}")
+    values = _json_settings(path, '{"training": {"epochs": 20}}')
     named = values.pop("configuration", configuration)  # a run's own config.json names it
     if named != configuration:
         raise ConfigError(f"{path} is a {named} configuration's settings; this command runs {configuration}")

@@ -52,6 +52,15 @@ class _Early:
         return epoch - self.best_epoch >= self.patience
 
 
+def _update(optimizers: list[torch.optim.Optimizer], loss: torch.Tensor) -> None:
+    """One step of every part: gradients from one backward pass, then each part's optimizer."""
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    loss.backward()
+    for o in optimizers:
+        o.step()
+
+
 def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
     """U-shaped (bottom -> trunk -> head) or vanilla (bottom -> server layers), every layer here."""
     t = settings.training
@@ -82,12 +91,7 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
             if t.max_steps is not None and step >= t.max_steps:
                 break
             step += 1
-            loss = task.loss(model(data.features[rows]), data.targets[rows])
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-            loss.backward()
-            for o in optimizers:
-                o.step()
+            _update(optimizers, task.loss(model(data.features[rows]), data.targets[rows]))
         seconds.append(time.perf_counter() - began)
         val = task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val))["roc_auc"]
         if early.record(epoch, val, model.state_dict()) or (t.max_steps is not None and step >= t.max_steps):
@@ -126,13 +130,8 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
         zs = [bottoms[b](features[b][r]) for b, r in zip(branches, batches)]
         targets = torch.cat([labels[b].targets[r] for b, r in zip(branches, batches)])
         loss = task.loss(top(torch.cat(zs) if len(zs) > 1 else zs[0]), targets)
-        for o in {id(bottom_opts[b]): bottom_opts[b] for b in branches}.values():
-            o.zero_grad(set_to_none=True)
-        top_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        top_opt.step()
-        for o in {id(bottom_opts[b]): bottom_opts[b] for b in branches}.values():
-            o.step()
+        # The relay's branches share one optimizer: each once.
+        _update([top_opt, *{id(bottom_opts[b]): bottom_opts[b] for b in branches}.values()], loss)
 
     def average() -> None:
         mean = fedavg([bottoms[b].state_dict() for b in order], [rows_of[b] for b in order])
@@ -201,12 +200,7 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
     for epoch in range(t.epochs):
         began = time.perf_counter()
         for rows in epoch_batches(train, t.batch_size, t.seed, epoch):
-            loss = task.loss(model(x[rows]), y[rows])
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-            loss.backward()
-            for o in optimizers:
-                o.step()
+            _update(optimizers, task.loss(model(x[rows]), y[rows]))
         seconds.append(time.perf_counter() - began)
         if early.record(epoch, task.metrics(y[torch.from_numpy(val)], scores(val))["roc_auc"], model.state_dict()):
             break
