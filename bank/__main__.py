@@ -11,6 +11,7 @@ from typing import get_args
 
 from bank import commands, lab_commands
 from bank.config import GradientDefenseName, TopConfig, TrainingConfig
+from bank.configuration_commands import add_configuration_commands
 from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
 from parties.learning.config import BottomConfig
 from parties.settings import BankSettings
@@ -296,43 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--json", type=Path, default=None, help="also write the figures here")
     _add_log_level(sb)
 
-    for name, summary, handler in (
-        ("train-owner", "U-shaped or vanilla: train on the bank's own file with a running compute party "
-         "(python -m partner compute)", commands.train_owner),
-        ("train-branches", "horizontal relay or SplitFed: train on the bank's labels with its running branches "
-         "(python -m partner branch)", commands.train_branches),
-    ):
-        o = command(sub, name, summary, handler=handler)
-        owner = name == "train-owner"
-        o.add_argument("--configuration", required=True,
-                       choices=["u-shaped", "vanilla"] if owner else ["relay", "splitfed"],
-                       help="u-shaped: the compute party holds a trunk, the bank its head and labels; vanilla: the "
-                            "compute party holds the rest of the model and receives the labels" if owner else
-                            "relay: branches train in turn, each from the state the previous left; splitfed: all at "
-                            "once, their bottoms averaged (FedAvg, weighted by rows)")
-        if owner:
-            o.add_argument("--data", type=Path, required=True, help="the bank's file: IDs, columns, the label")
-            o.add_argument("--label", default=None, help="the label column (default: the schema file's, else y)")
-            o.add_argument("--compute", required=True, metavar="NAME=URL", help="the compute party")
-        else:
-            o.add_argument("--labels", type=Path, required=True,
-                           help="the bank's labels: customer_id, branch, y, each branch's rows in its file's order")
-            o.add_argument("--branch", action="append", default=[], metavar="NAME=URL", help="repeat per branch")
-            o.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                           help="splitfed: average the bottoms every N steps, and at epoch ends "
-                                "(default 10; 0: at epoch ends only)")
-        o.add_argument("--name", default="bank", help="this bank's name, its certificate's CN (default %(default)s)")
-        o.add_argument("--tls-dir", type=Path, default=None, help="folder with ca.pem, NAME.pem, NAME.key")
-        o.add_argument("--insecure", action="store_true", help="plain HTTP to services on this machine (development)")
-        o.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
-        o.add_argument("--config", type=Path, default=None,
-                       help="a JSON file of settings (bank/split_run.py: ConfigurationSettings, without "
-                            "'configuration'); flags given here override it")
-        o.add_argument("--epochs", type=int, default=None, help="at most this many epochs (default 40, early stopping)")
-        o.add_argument("--seed", type=int, default=None, help="seed of the split and the batch order (default 0)")
-        o.add_argument("--audit", action="store_true", default=None,
-                       help="record what crossed each cut and report what each party could infer from it")
-        _add_log_level(o)
+    add_configuration_commands(sub)
 
     cb = command(sub, "config-bench", "horizontal relay and SplitFed against centralised training on bank-full, "
                  "side by side: test AUC and epoch time", handler=lab_commands.config_bench)

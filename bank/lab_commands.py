@@ -161,10 +161,10 @@ def scale_bench(args: argparse.Namespace) -> int:
 
 
 def config_bench(args: argparse.Namespace) -> int:
-    from bank.commands import _configuration_settings
+    from bank.configuration_commands import configuration_settings
     from bank.lab.config_bench import format_config_bench, run_config_bench
 
-    settings = {name: _configuration_settings(name, None, epochs=args.epochs, seed=None, audit=None,
+    settings = {name: configuration_settings(name, None, epochs=args.epochs, seed=None, audit=None,
                                               fedavg_every=args.fedavg_every if name == "splitfed" else None)
                 for name in ("relay", "splitfed")}
     frame = run_config_bench(settings, args.out, rows=args.rows, cache_dir=args.cache_dir)
