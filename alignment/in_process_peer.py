@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from alignment.parallel import WorkerPool
-from alignment.psi import PsiResponder, SessionInfo
+from alignment.psi import PsiResponder, SessionInfo, check_id_types
 from parties.errors import UnknownSession
+from parties.tables.ids import IdType
 
 __all__ = ["LocalPsiPeer"]
 
@@ -20,8 +21,9 @@ __all__ = ["LocalPsiPeer"]
 class LocalPsiPeer:
     """A ``PsiPeer`` whose responder lives in this process."""
 
-    def __init__(self, own_points: bytes, pool: WorkerPool, threads: ThreadPoolExecutor) -> None:
-        self.own_points, self.pool, self.threads = own_points, pool, threads
+    def __init__(self, own_points: bytes, pool: WorkerPool, threads: ThreadPoolExecutor,
+                 id_type: IdType = "text") -> None:
+        self.own_points, self.pool, self.threads, self.id_type = own_points, pool, threads, id_type
         self.sessions: dict[str, PsiResponder] = {}
         self.sent: list[bytes] = []  # what the initiator sent, for inspection
         self.received: list[bytes] = []  # what the initiator received
@@ -33,10 +35,11 @@ class LocalPsiPeer:
         except KeyError:
             raise UnknownSession(f"no PSI session {session_id}") from None
 
-    def open(self, own_count: int, chunk_items: int) -> SessionInfo:
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+        check_id_types(self.id_type, id_type, "the initiator")
         r = PsiResponder(self.own_points, own_count, self.pool, self.threads, chunk_items)
         self.sessions[r.session_id] = r
-        return SessionInfo(r.session_id, r.own_count, r.chunk_items)
+        return SessionInfo(r.session_id, r.own_count, r.chunk_items, self.id_type)
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None:
         self.sent.append(data)

@@ -49,6 +49,7 @@ from alignment import curve
 from alignment.parallel import WorkerPool
 from parties.errors import (
     BadMessage,
+    IdTypeMismatch,
     IntersectionTooSmall,
     NotReady,
     OutOfOrder,
@@ -56,6 +57,7 @@ from parties.errors import (
     UnknownSession,
 )
 from parties.protocol.psi import MAX_CHUNK_ITEMS, MAX_IDS, PROTOCOL_VERSION  # the wire's version and bound
+from parties.tables.ids import IdType
 
 __all__ = [
     "CHUNK_ITEMS",
@@ -66,6 +68,7 @@ __all__ = [
     "PsiResponder",
     "PsiResult",
     "SessionInfo",
+    "check_id_types",
     "fresh_order",
     "intersect",
     "partnership_dst",
@@ -167,12 +170,15 @@ class SessionInfo:
     session_id: str
     peer_count: int
     chunk_items: int
+    id_type: IdType = "text"
 
 
 class PsiPeer(Protocol):
     """What the initiator needs from the other side, whatever the transport."""
 
-    def open(self, own_count: int, chunk_items: int) -> SessionInfo: ...
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+        """Open a session for ``own_count`` IDs canonicalised as ``id_type``; a peer of another type refuses."""
+        ...
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None: ...
 
@@ -297,9 +303,12 @@ def run_initiator(
     max_peer_count: int = MAX_IDS,
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
+    id_type: IdType = "text",
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
+    ``id_type``: how ``own_points``' IDs were canonicalised; a peer whose IDs are of another type is
+    refused (``IdTypeMismatch``): matched, the two would silently share fewer customers than they do.
     Every size the peer announces is checked against what was agreed before anything is read.
     ``cancel`` set stops the blinding between slices (``CancelledError``); the session is aborted.
     """
@@ -307,8 +316,9 @@ def run_initiator(
     own_count = len(own_points) // curve.POINT_BYTES
     key = curve.generate_key()
     order = fresh_order(own_count)
-    info = peer.open(own_count, chunk_items)
+    info = peer.open(own_count, chunk_items, id_type)
     try:
+        check_id_types(id_type, info.id_type, "the peer")
         if info.chunk_items != chunk_items:
             raise PeerError(f"the peer answered chunks of {info.chunk_items} IDs; {chunk_items} were asked")
         if not 0 <= info.peer_count <= max_peer_count:
@@ -347,6 +357,15 @@ def partnership_dst(bank: str, partner: str) -> bytes:
     """The hash-to-curve DST of one partnership: a bank's and a partner's hashes of the same ID never
     match another partnership's, so a blinded value seen in one cannot be tested in another."""
     return curve.psi_dst(f"{bank}|{partner}")
+
+
+def check_id_types(own: IdType, theirs: IdType, who: str) -> None:
+    """Both sides' IDs are of one type, or nothing they share is found: refuse, saying how to agree."""
+    if own != theirs:
+        raise IdTypeMismatch(
+            f"this side's customer IDs are {own} and {who}'s are {theirs}: matched, IDs such as 12 and 0012 would be "
+            f"one customer on one side and two on the other. Declare the same id_type in both parties' schema "
+            f"files (or --id-type on serve): integer if every ID is a whole number, else text")
 
 
 def check_minimum(size: int, minimum: int, who: str) -> None:

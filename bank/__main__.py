@@ -106,6 +106,13 @@ def _auc(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share is above 0 and at most 1, e.g. 0.9")
+    return value
+
+
 def _known_labels(text: str) -> int:
     try:
         count = int(text)
@@ -129,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = command(sub, "serve", "serve the bank's coordinator endpoints", handler=commands.serve)
     add_service_arguments(s)
     s.add_argument("--label", default=None, help="label column (default: the schema file's, else y)")
+    s.add_argument("--task", choices=["binary", "multiclass", "regression"], default=None,
+                   help="what the label is; its values are checked against it before anything is aligned, and "
+                        "training learns it unless told otherwise (default: the schema file's 'task', else inferred: "
+                        "two values binary, many numbers regression, else multiclass)")
     s.add_argument("--partner", action="append", default=[], metavar="NAME=URL", help="repeat per partner")
     s.add_argument("--peer-retry-deadline", type=float, default=None,
                    help=f"seconds a silent partner is retried (it may be restarting) before training stops "
@@ -140,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--partners", default=None, help="comma-separated subset of partners (default: every one)")
     a.add_argument("--min-intersection", type=int, default=None,
                    help="refuse an intersection smaller than this (default: the service's --min-intersection)")
+    a.add_argument("--expect-overlap", type=_share, default=None, metavar="SHARE",
+                   help="the share (0 to 1) of the bank's customers you expect each partner to hold: a partner "
+                        "matching under three quarters of it is warned about (IDs written differently, the wrong "
+                        "file); default: no expectation")
     a.add_argument("--sequential", action="store_true",
                    help="align with one partner after another (default: with every partner at once; same result)")
     _add_log_level(a)

@@ -142,7 +142,8 @@ def align_with_partners(
             report("hashing own IDs onto the curve")
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
-            session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel)
+            session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
+                                               id_type=table.id_type)
             with lock:
                 opened[name] = (session_id, result)
             report(f"{len(result):,} common customers")  # logged by the reporter

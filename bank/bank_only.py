@@ -63,7 +63,8 @@ class BankOnlyModel:
         """Scores for ``features``' rows (as ``Task.scores`` gives them), and the values that took a policy."""
         x, fallbacks = self.encoder_.encode(features)
         if self.task.kind == "regression":
-            return self.estimator_.predict(x).astype(np.float64), fallbacks
+            # scikit-learn refuses zero rows; a group of no customers has no scores (every partner holds them).
+            return (self.estimator_.predict(x) if len(x) else np.zeros(0)).astype(np.float64), fallbacks
         proba = np.zeros((len(x), len(self.task.classes_)))
         if len(x):
             # Classes absent from the training rows get probability 0, in the task's class order.

@@ -15,20 +15,26 @@ from sklearn import metrics as skm
 
 from bank.task import Task
 
-__all__ = ["RELIABILITY_BINS", "held_out_metrics", "reliability"]
+__all__ = ["MIN_METRIC_ROWS", "RELIABILITY_BINS", "held_out_metrics", "reliability"]
 
 #: Bins of a reliability plot: equal counts of customers (most scores of a rare class are small, so
 #: equal-width bins would put almost every customer in the first one).
 RELIABILITY_BINS = 10
 
+#: Fewer held-out customers than this get no metric, only their count and the reason: an ROC-AUC or an R²
+#: of two customers is a number nobody should act on.
+MIN_METRIC_ROWS = 30
 
-def held_out_metrics(task: Task, targets: torch.Tensor, scores: np.ndarray) -> dict[str, float]:
+
+def held_out_metrics(task: Task, targets: torch.Tensor, scores: np.ndarray) -> dict[str, float | str]:
     """The task's metrics on these customers, with ``rows``; binary: also Brier, mean score and observed rate.
 
-    Metrics a group cannot define (ROC-AUC with one class present, or no rows) are left out, not faked.
+    Metrics a group cannot define (ROC-AUC with one class present) are left out, not faked; a group of
+    fewer than ``MIN_METRIC_ROWS`` customers gets its count and a ``note`` saying why there is no metric.
     """
-    out: dict[str, float] = {"rows": len(targets)}
-    if not len(targets):
+    out: dict[str, float | str] = {"rows": len(targets)}
+    if len(targets) < MIN_METRIC_ROWS:
+        out["note"] = f"too few customers for a metric ({len(targets)} < {MIN_METRIC_ROWS})"
         return out
     y = targets.numpy()
     if task.kind == "binary":

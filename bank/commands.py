@@ -38,7 +38,7 @@ def serve(args: argparse.Namespace) -> int:
     from parties.transport.server import serve as serve_app
 
     settings = load_settings(
-        BankSettings, **service_values(args), label=args.label, partners=_partners(args.partner),
+        BankSettings, **service_values(args), label=args.label, task=args.task, partners=_partners(args.partner),
         peer_retry_deadline=args.peer_retry_deadline,
     )
     assert isinstance(settings, BankSettings)
@@ -71,11 +71,18 @@ def align(args: argparse.Namespace) -> int:
     tls = _operator_tls(args)
     request = AlignmentRequest(
         partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection,
-        mode="sequential" if args.sequential else "concurrent",
+        mode="sequential" if args.sequential else "concurrent", expect_overlap=args.expect_overlap,
     )
     with BankOperator(args.url, tls, args.name) as operator:
         result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
     print(json.dumps(result, indent=2))
+    customers = result.get("bank_customers")
+    for name, count in result.get("pairwise", {}).items():
+        share = result.get("shares", {}).get(name)
+        print(f"{name}: {count:,} of the bank's {customers:,} customers matched ({share:.1%})", file=sys.stderr)
+    print(f"aligned with every partner: {result['rows']:,} customers", file=sys.stderr)
+    for warning in result.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -300,12 +307,7 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
             continue
         print(f"\nCustomers only {subset} hold{'s' if '+' not in subset else ''} ({info['model']} model), held out:")
         for group, figures in info["held_out"].items():
-            line = f"  {group:<34}{figures['rows']:>6} customers"
-            if "roc_auc" in figures:
-                line += f"  roc_auc {figures['roc_auc']:.4f}"
-            if "mean_score" in figures:
-                line += f"  mean score {figures['mean_score']:.3f} vs observed {figures['observed_rate']:.3f}"
-            print(line)
+            print(f"  {group:<34}{figures['rows']:>6} customers  {held_out_line(figures)}")
     for name, comm in summary["communication"].items():
         print(f"\n{name}: {comm['round_trips']} round trips, {comm['bytes_per_step'] / 1024:.1f} KiB per training "
               f"round trip (its embeddings and gradients at float32: {comm['minimum_bytes_per_step'] / 1024:.1f} KiB)")
@@ -313,6 +315,20 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
     for name, path in summary["model_files"].items():
         print(f"  {name:<10}{out / path}")
     print(f"\nwall time: {summary['wall_seconds']} s")
+
+
+#: The figures a held-out group's line shows, whichever the task has.
+_HEADLINE = ("roc_auc", "accuracy", "r2", "rmse")
+
+
+def held_out_line(figures: dict[str, Any]) -> str:
+    """A held-out group's figures in one line: its headline metrics, or why it has none."""
+    if "note" in figures:
+        return figures["note"]
+    parts = [f"{m} {figures[m]:.4f}" for m in _HEADLINE if m in figures]
+    if "mean_score" in figures:
+        parts.append(f"mean score {figures['mean_score']:.3f} vs observed {figures['observed_rate']:.3f}")
+    return "  ".join(parts)
 
 
 def print_scoring(result: dict[str, Any], out: Path) -> None:

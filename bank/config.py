@@ -6,15 +6,28 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig
+from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind
 
-__all__ = ["AggregationName", "GradientDefenseName", "TaskKind", "TopConfig", "TrainingConfig"]
+__all__ = ["AggregationName", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
+           "default_batch_size"]
 
 # Here rather than beside their torch code (bank/task.py, bank/aggregation.py): this module stays light
 # enough for the command line's --help to read its defaults.
-TaskKind = Literal["binary", "multiclass", "regression"]
 AggregationName = Literal["concat", "sum", "mean"]
 GradientDefenseName = Literal["none", "max_norm", "isotropic", "marvell"]
+
+
+#: The adaptive batch size's bounds: bank-full's 36,168 training rows get the largest, which it was tuned at;
+#: a table of a few hundred rows gets about ten steps an epoch instead of one.
+MIN_AUTO_BATCH, MAX_AUTO_BATCH = 16, 1024
+
+
+def default_batch_size(train_rows: int) -> int:
+    """The largest power of two at most a tenth of ``train_rows``, within [MIN_AUTO_BATCH, MAX_AUTO_BATCH]."""
+    batch = MIN_AUTO_BATCH
+    while batch * 2 <= min(MAX_AUTO_BATCH, train_rows / 10):
+        batch *= 2
+    return batch
 
 
 class TopConfig(OptimizerConfig):
@@ -27,13 +40,16 @@ class TrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    task: TaskKind = "binary"
+    task: TaskKind | None = Field(None, description="what the label is (default: the bank's: its service's --task, "
+                                  "its schema file's, or what its label's values show)")
     positive_label: str | None = None
     aggregation: AggregationName = "concat"
     bank_bottom: BottomConfig = BottomConfig()
     top: TopConfig = TopConfig()
     epochs: int = Field(40, ge=1, le=10_000)
-    batch_size: int = Field(1024, ge=1, le=1 << 16)
+    batch_size: int | None = Field(None, ge=1, le=1 << 16, description="training rows per step (default: adapts "
+                                   f"to the table: the largest power of two at most a tenth of the training rows, "
+                                   f"from {MIN_AUTO_BATCH} to {MAX_AUTO_BATCH})")
     eval_batch_size: int = Field(8192, ge=1, le=1 << 16)
     patience: int = Field(6, ge=1, description="epochs without a better validation score before stopping")
     val_fraction: float = Field(0.1, gt=0, lt=0.5)
@@ -91,15 +107,16 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _binary_only(self) -> TrainingConfig:
-        if self.label_dp_epsilon is not None and self.task != "binary":
+        # A task left to the bank (None) is checked again once it is known (``resolved``).
+        if self.label_dp_epsilon is not None and self.task not in (None, "binary"):
             raise ValueError("randomized-response label DP is implemented for binary tasks")
-        if self.gradient_defense == "marvell" and self.task != "binary":
+        if self.gradient_defense == "marvell" and self.task not in (None, "binary"):
             raise ValueError("the marvell gradient defense is for binary tasks (it hides one class from the other)")
         return self
 
     @model_validator(mode="after")
     def _exchange_fits(self) -> TrainingConfig:
-        if self.local_steps * self.batch_size > 1 << 16:
+        if self.batch_size is not None and self.local_steps * self.batch_size > 1 << 16:
             raise ValueError("local_steps x batch_size is at most 65536 rows per round trip")
         if self.reuse_steps and self.local_steps == 1:
             raise ValueError("reuse_steps needs local_steps > 1 (local_steps 1 is the exact mode)")
@@ -110,7 +127,32 @@ class TrainingConfig(BaseModel):
         """The session's mode as every party runs it."""
         if self.local_steps == 1:
             return LocalSteps()
-        return LocalSteps(steps=self.local_steps, batch=self.batch_size, reuse=self.reuse_steps)
+        return LocalSteps(steps=self.local_steps, batch=self.batch, reuse=self.reuse_steps)
+
+    @property
+    def batch(self) -> int:
+        """The batch size of a resolved configuration (``resolved``)."""
+        if self.batch_size is None:
+            raise ValueError("batch_size is not resolved yet: TrainingConfig.resolved() sets it from the table")
+        return self.batch_size
+
+    def resolved(self, task: TaskKind, train_rows: int, *, why_task: str = "the bank's") -> tuple[TrainingConfig, dict[str, str]]:
+        """This configuration with every setting that adapts to the table set, and what each was set to and why.
+
+        ``task``: the bank's label's (used unless this configuration names one); ``train_rows``: the split's.
+        A setting given explicitly is kept as it is.
+        """
+        chosen: dict[str, str] = {}
+        values = self.model_dump()
+        if self.task is None:
+            values["task"] = task
+            chosen["task"] = f"{task} ({why_task})"
+        if self.batch_size is None:
+            values["batch_size"] = default_batch_size(train_rows)
+            chosen["batch_size"] = (f"{values['batch_size']} (adapts to the table: {train_rows:,} training rows, "
+                                    f"{-(-train_rows // values['batch_size'])} steps an epoch; give --batch-size "
+                                    "to choose)")
+        return TrainingConfig.model_validate(values), chosen
 
     @model_validator(mode="after")
     def _fractions(self) -> TrainingConfig:

@@ -66,6 +66,21 @@ def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome:
     }
 
 
+#: A partner matching less than this share of the overlap the operator expects is warned about.
+FAR_BELOW = 0.75
+
+
+def overlap_warnings(shares: dict[str, float], customers: int, expected: float | None, id_type: str) -> list[str]:
+    """Per partner whose share of the bank's customers is far below ``expected``: what it matched, and what to check."""
+    if expected is None:
+        return []
+    return [f"partner {name!r} matched {share:.1%} of the bank's {customers:,} customers, far below the "
+            f"{expected:.0%} expected: check that both parties' files hold the same customers and write their IDs "
+            f"alike (the bank reads its IDs as {id_type}; the partner's service log reports IDs written in more "
+            "than one way)"
+            for name, share in shares.items() if share < FAR_BELOW * expected]
+
+
 class BankCore:
     def __init__(self, settings: BankSettings, table: PartyTable) -> None:
         self.settings, self.table = settings, table
@@ -102,7 +117,13 @@ class BankCore:
             )
         self.alignment, self.pairwise = alignment, pairwise
         save_alignment(self.settings.state_path, self.table, alignment)
-        return AlignmentInfo(alignment_id=alignment.alignment_id, rows=len(alignment), pairwise=pairwise)
+        customers = len(self.table)
+        shares = {name: count / customers for name, count in pairwise.items()}
+        warnings = overlap_warnings(shares, customers, request.expect_overlap, self.table.id_type)
+        for warning in warnings:
+            logger.warning("alignment %s: %s", alignment.alignment_id, warning)
+        return AlignmentInfo(alignment_id=alignment.alignment_id, rows=len(alignment), pairwise=pairwise,
+                             bank_customers=customers, shares=shares, warnings=warnings)
 
     def start_alignment(self, request: AlignmentRequest) -> Job:
         self.partners(request.partners)  # refuse unknown names now, not in the job
@@ -126,7 +147,7 @@ class BankCore:
             config = self._resumable(runs, resume, alignment)
         assert self.table.labels is not None
         labels = self.table.labels.iloc[alignment.rows]
-        task = Task(config.task, config.positive_label).fit(labels)
+        task = Task(config.task or self.table.task, config.positive_label).fit(labels)
         targets = task.targets(labels)
         urls = self.partners(config.partners)
         session_id = resume or uuid.uuid4().hex
@@ -153,14 +174,17 @@ class BankCore:
                 model_dir=lambda session: runs / session / "model" / "bank",
                 checkpoint_dir=lambda session: runs / session / "checkpoints" / "bank-bottom",
             )
-            if resume is None:
-                atomic_write_text(runs / session_id / "training.json", json.dumps(
-                    {"alignment_id": alignment.alignment_id, "config": config.model_dump(mode="json")}, indent=2))
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
                 session_id=session_id, progress=lambda msg, frac=None: progress(msg, frac),
                 checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
+            config = coordinator.config  # with what adapts to the table set: a resume needs nothing else
+            if resume is None:
+                atomic_write_text(runs / session_id / "training.json", json.dumps(
+                    {"alignment_id": alignment.alignment_id, "config": config.model_dump(mode="json")}, indent=2))
+            for setting, value in coordinator.chosen.items():
+                progress(f"{setting}: {value}", 0.0)
             progress("resuming" if resume else "starting the parties' sessions", 0.0)
             outcome = coordinator.run(resume=resume is not None)
         communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
@@ -175,7 +199,8 @@ class BankCore:
         metrics = write_run(
             run_dir, config=config, task=task, outcome=outcome, top=coordinator.top, targets=targets,
             communication=communication, party_files=files, alignment_id=alignment.alignment_id,
-            bank_rows=alignment.rows, subsets=subsets,
+            bank_rows=alignment.rows, subsets=subsets, chosen=coordinator.chosen, bank_ids=self.table.ids,
+            id_column=self.table.id_column,
         )
         return {"run_dir": str(run_dir), **metrics}
 

@@ -216,7 +216,7 @@ class HorizontalTrainer:
                 assert handed is not None
                 peer.load_weights(*handed)
             pending: torch.Tensor | None = None
-            for rows in epoch_batches(self.labels[b].split.train, t.batch_size, t.seed, epoch):
+            for rows in epoch_batches(self.labels[b].split.train, t.batch, t.seed, epoch):
                 self.steps[b] += 1
                 z = peer.step(self.steps[b], pending, rows)  # the last step's gradient and this step's rows
                 loss, (grad,) = self._top_step([z], self.labels[b].targets[rows])
@@ -231,7 +231,7 @@ class HorizontalTrainer:
 
     def _splitfed_epoch(self, epoch: int) -> list[float]:
         t = self.settings.training
-        batches = {b: epoch_batches(self.labels[b].split.train, t.batch_size, t.seed, epoch) for b in self.order}
+        batches = {b: epoch_batches(self.labels[b].split.train, t.batch, t.seed, epoch) for b in self.order}
         longest = max(len(v) for v in batches.values())
         losses = []
         pending: dict[str, torch.Tensor] = {}  # each branch's last gradient, sent with its next rows

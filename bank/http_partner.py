@@ -47,6 +47,7 @@ from parties.protocol.codec import Precision
 from parties.protocol.common import OCTET_STREAM, fill
 from parties.protocol.wire import SAFETENSORS
 from parties.tables.encoding import Fallbacks
+from parties.tables.ids import IdType
 from parties.transport.channel import Channel
 from parties.transport.client import expect_server
 from parties.transport.tls import handshake_failure
@@ -186,13 +187,13 @@ class HttpPartner:
                 if time.monotonic() > deadline:
                     raise PeerError(f"partner {self.name!r} was not ready with {what} in {self.wait_deadline:.0f}s")
 
-    def open(self, own_count: int, chunk_items: int) -> SessionInfo:
-        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items).model_dump()
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items, id_type=id_type).model_dump()
         response = self._call("POST", psi.SESSIONS, "opening a PSI session", json=body)
         expect_server(response, self.name, "partner")
         info = psi.PsiOpenResponse.model_validate(response.json())
         self._chunk_items = chunk_items  # what was agreed bounds every chunk read (run_initiator checks the answer)
-        return SessionInfo(info.session, info.count, info.chunk_items)
+        return SessionInfo(info.session, info.count, info.chunk_items, info.id_type)
 
     def _put(self, path: str, data: bytes, what: str) -> None:
         self._call("PUT", path, what, content=data, headers={"content-type": OCTET_STREAM})

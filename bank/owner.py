@@ -191,14 +191,14 @@ class OwnerTrainer:
         saved: list[tuple[int, int, dict[str, Any]]] = [(-1, 0, self._own_state())]
         book = EpochBook(t.patience)
         best: tuple[int, dict[str, Any]] = (0, saved[0][2])
-        n_batches = len(epoch_batches(split.train, t.batch_size, t.seed, 0))
+        n_batches = len(epoch_batches(split.train, t.batch, t.seed, 0))
         step, epoch, resumes = 0, 0, 0
         try:
             while epoch < t.epochs:
                 began = time.perf_counter()
                 try:
                     losses = []
-                    for i, rows in enumerate(epoch_batches(split.train, t.batch_size, t.seed, epoch)):
+                    for i, rows in enumerate(epoch_batches(split.train, t.batch, t.seed, epoch)):
                         if t.max_steps is not None and step >= t.max_steps:
                             break
                         step += 1

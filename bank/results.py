@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,23 @@ def write_run(
     alignment_id: str,
     bank_rows: np.ndarray,
     subsets: SubsetModels | None = None,
+    chosen: dict[str, str] | None = None,
+    bank_ids: Sequence[str] | None = None,
+    id_column: str = "customer_id",
 ) -> dict[str, Any]:
-    """Write the run folder; return the metrics document."""
+    """Write the run folder; return the metrics document.
+
+    ``chosen``: the settings that adapted to the table, and why (``TrainingConfig.resolved``).
+    ``bank_ids``: the bank's customer IDs by row of its file: the test predictions carry them, so scores
+    join to customers without ``split.csv``.
+    """
     private_dir(run_dir)
     _json(run_dir / "config.json", {"session": outcome.session_id, "alignment_id": alignment_id, **config.model_dump()})
     _csv(run_dir / "history.csv", pd.DataFrame(outcome.history))
     test = outcome.split.test
     predictions = pd.DataFrame({"position": test, "target": targets[torch.from_numpy(test)].numpy()})
+    if bank_ids is not None:
+        predictions.insert(1, id_column, [bank_ids[r] for r in bank_rows[test]])
     scores = outcome.test_scores
     if scores.ndim == 1:
         predictions["score"] = scores
@@ -104,6 +115,7 @@ def write_run(
         "test": outcome.test_metrics,
         # Per subset of the parties scoring can meet, its model and how it did on held-out customers.
         "subsets": subsets.held_out if subsets is not None else {},
+        "defaults_chosen": chosen or {},
         "best_epoch": outcome.best_epoch,
         "epochs_run": len(outcome.history),
         "steps": outcome.steps,

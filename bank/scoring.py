@@ -84,7 +84,7 @@ class _Customers:
         self.held[name] = np.zeros(self.n, dtype=bool)
         self.why[name] = f"not held by {name}"
         points = hashed_points(self.table.normalized_ids, pool, None, partnership_dst(bank_name, name))
-        session_id, result = run_initiator(partner, points, pool)
+        session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type)
         scoring_id = uuid.uuid4().hex
         try:
             partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring")

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bank.config import TopConfig, TrainingConfig
+from bank.config import MAX_AUTO_BATCH, TopConfig, TrainingConfig
 from parties.learning.config import BottomConfig, OptimizerConfig
 from parties.storage.files import atomic_write_text, private_dir
 
@@ -56,6 +56,20 @@ class ConfigurationSettings(BaseModel):
     fedavg_every: int = Field(10, ge=0, description="splitfed: average the branches' bottoms every N steps, and at "
                               "every epoch end (0: at epoch ends only)")
     audit: bool = Field(False, description="record what crossed each cut, for the leakage audit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_defaults(cls, values: Any) -> Any:
+        """These configurations learn binary tasks at vertical's batch size on bank-full's scale: what vertical
+        leaves to adapt to the table (``TrainingConfig.resolved``) is fixed here."""
+        if isinstance(values, dict):
+            training = values.get("training", TrainingConfig())
+            if isinstance(training, dict):
+                training = TrainingConfig(**training)
+            update = {k: v for k, v in (("task", "binary"), ("batch_size", MAX_AUTO_BATCH))
+                      if getattr(training, k) is None}
+            values = {**values, "training": training.model_copy(update=update) if update else training}
+        return values
 
     @model_validator(mode="after")
     def _binary(self) -> ConfigurationSettings:

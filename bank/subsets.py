@@ -114,7 +114,7 @@ def fit_head(inputs: torch.Tensor, targets: torch.Tensor, split: Split, task: Ta
     best: float | None = None
     best_state, stale = copy.deepcopy(head.state_dict()), 0
     for epoch in range(config.epochs):
-        for rows in epoch_batches(split.train, config.batch_size, config.seed, epoch):
+        for rows in epoch_batches(split.train, config.batch, config.seed, epoch):
             loss = task.loss(head(inputs[rows]), targets[rows])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -175,8 +175,8 @@ class SubsetModels:
 
 def _evaluate(models: SubsetModels, subset: str, group: str, task: Task, targets: torch.Tensor,
               scores: np.ndarray) -> None:
-    models.held_out[subset]["held_out"][group] = held_out_metrics(task, targets, scores)
-    if task.kind == "binary" and len(targets):
+    models.held_out[subset]["held_out"][group] = figures = held_out_metrics(task, targets, scores)
+    if task.kind == "binary" and "note" not in figures:
         bins = reliability(targets, scores).assign(subset=subset, held_out=group)
         models.calibration = pd.concat([models.calibration, bins], ignore_index=True)
 

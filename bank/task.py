@@ -13,13 +13,14 @@ from sklearn import metrics as skm
 
 from bank.config import TaskKind
 from parties.errors import ConfigError, DataError
+from parties.tables.labels import infer_task, label_text
 
 __all__ = ["Task", "TaskKind"]
 
 
 @dataclass
 class Task:
-    kind: TaskKind = "binary"
+    kind: TaskKind | None = "binary"  # None: what the labels show (``fit``; parties.tables.labels)
     positive_label: str | None = None  # binary: the label value that counts as 1
     classes_: list[str] = field(default_factory=list)
     # Regression learns a standardised target (fitted on the training rows): a target in the millions
@@ -29,10 +30,13 @@ class Task:
     target_scale_: float = 1.0
 
     def fit(self, labels: pd.Series) -> Task:
-        """Learn the label vocabulary (classification) from the bank's own labels."""
+        """Learn the label vocabulary (classification) from the bank's own labels (and, without a kind, the kind)."""
+        labels = label_text(labels)
+        if self.kind is None:
+            self.kind = infer_task(labels)
         if self.kind == "regression":
             return self
-        values = sorted(labels.astype(str).str.strip().unique().tolist())
+        values = sorted(labels.unique().tolist())
         if self.kind == "binary":
             if len(values) != 2:
                 raise DataError(f"binary task: the label column has {len(values)} distinct values, expected 2")
@@ -77,7 +81,7 @@ class Task:
                 raise DataError("regression task: a label is not a number")
             return torch.tensor(values.to_numpy(dtype=np.float32))
         index = {c: i for i, c in enumerate(self.classes_)}
-        codes = [index.get(v) for v in labels.astype(str).str.strip()]
+        codes = [index.get(v) for v in label_text(labels)]
         if any(c is None for c in codes):
             raise DataError("a label value was not seen when the task was fitted")
         if self.kind == "binary":
@@ -118,8 +122,10 @@ class Task:
                 "log_loss": float(skm.log_loss(y, scores, labels=list(range(len(self.classes_))))),
                 "f1_macro": float(skm.f1_score(y, predicted, average="macro", zero_division=0)),
             }
+        mse = float(skm.mean_squared_error(y, scores))
         return {
-            "mse": float(skm.mean_squared_error(y, scores)),
+            "mse": mse,
+            "rmse": float(np.sqrt(mse)),
             "mae": float(skm.mean_absolute_error(y, scores)),
             "r2": float(skm.r2_score(y, scores)),
         }

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
@@ -32,9 +33,10 @@ from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.subsets import partial_subsets
 from bank.task import Task
-from parties.errors import Behind, CutlayerError, PeerUnavailable, StorageError, UnknownSession
+from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
+from parties.settings import describe_problems
 from parties.storage.checkpoint import CheckpointWriter
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -77,19 +79,28 @@ class Coordinator(Recovery):
         progress: ProgressFn | None = None,
         checkpoint_dir: Path | None = None,
     ) -> None:
-        self.config, self.task, self.targets, self.parties = config, task, targets, list(parties)
+        self.task, self.targets, self.parties = task, targets, list(parties)
         self.alignment_id = alignment_id
         self.session_id = session_id or uuid.uuid4().hex
         self.progress = progress or (lambda _msg, _frac: None)
         self.aggregation = get_aggregation(config.aggregation)
         self.split = split_rows(len(targets), targets, task, config)
+        # Settings left to adapt to the table (the task, the batch size) are set here, once, and said.
+        try:
+            config, self.chosen = config.resolved(task.kind, len(self.split.train))
+        except ValidationError as exc:
+            raise ConfigError(f"invalid training settings for this {task.kind} task: "
+                              f"{describe_problems(exc, lambda loc: '.'.join(map(str, loc)))}") from exc
+        self.config = config
+        for setting, value in self.chosen.items():
+            logger.info("session %s: %s = %s", self.session_id, setting, value)
         task.fit_target_scale(targets[torch.from_numpy(self.split.train)])
         # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
         self.train_targets = targets
         if config.label_dp_epsilon is not None:
             self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, config.seed)
         self.defense = GradientDefense(config.gradient_defense, noise=config.gradient_noise, power=config.marvell_power,
-                                       batch=config.batch_size, seed=config.seed,
+                                       batch=config.batch, seed=config.seed,
                                        persistence=config.marvell_persistence, rows=len(targets))
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
@@ -286,7 +297,7 @@ class Coordinator(Recovery):
         metric, mode = self.task.objective
         better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
         local = self.config.local_steps  # batches per exchange (1: exact)
-        steps_per_epoch = -(-len(self.split.train) // (self.config.batch_size * local))
+        steps_per_epoch = -(-len(self.split.train) // (self.config.batch * local))
         # Each epoch ends with a flush step, which ``loop.step`` counts as well.
         total_steps = min(self.config.max_steps or 1 << 62, (steps_per_epoch + 1) * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
@@ -317,7 +328,7 @@ class Coordinator(Recovery):
 
         while loop.epoch < self.config.epochs and not loop.done:
             epoch_start = time.perf_counter()
-            batches = epoch_batches(self.split.train, self.config.batch_size, self.config.seed, loop.epoch)
+            batches = epoch_batches(self.split.train, self.config.batch, self.config.seed, loop.epoch)
             capped = self.config.max_steps is not None
             while loop.batch < len(batches) and not (capped and loop.step >= self.config.max_steps):
                 group = batches[loop.batch : loop.batch + local]

@@ -90,7 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                   handler=_schema_command)
     sch.add_argument("file", type=Path, help="a party's CSV or Parquet file")
     sch.add_argument("--id-column", default=None, help="the customer ID column (default: the schema file's, else customer_id)")
-    sch.add_argument("--label", default=None, help="the label column, for the bank's table (default: none)")
+    sch.add_argument("--label", default=None,
+                     help="the label column, for the bank's table (default: the schema file's, else none)")
+    sch.add_argument("--id-type", choices=["integer", "text"], default=None,
+                     help="integer: 12, 12.0 and 0012 are one customer; text: IDs as written (default: the schema "
+                          "file's, else integer if every ID is a whole number)")
+    sch.add_argument("--task", choices=["binary", "multiclass", "regression"], default=None,
+                     help="with a label: what it is (default: the schema file's, else inferred from its values)")
     sch.add_argument("--categorical", default=None, metavar="COL,COL",
                      help="columns to treat as categorical whatever they look like, e.g. integer codes")
     sch.add_argument("--numeric", default=None, metavar="COL,COL", help="columns to treat as numeric")
@@ -109,15 +115,22 @@ def _list(text: str | None) -> tuple[str, ...]:
 
 
 def _schema_command(args: argparse.Namespace) -> int:
-    from parties.tables.schema import PartySchema, sidecar_path
+    from parties.tables.schema import PartySchema, read_schema, sidecar_path
     from parties.tables.table import load_party_table
 
-    table = load_party_table(args.file, args.id_column, args.label, labelled=args.label is not None,
-                             categorical=_list(args.categorical), numeric=_list(args.numeric))
-    schema = PartySchema(id_column=table.id_column, label_column=args.label, numeric=table.schema.numeric,
-                         categorical=table.schema.categorical)
-    print(schema.model_dump_json(indent=2))
     target = sidecar_path(args.file)
+    existing = read_schema(target)
+    label = args.label or (existing.label_column if existing else None)  # the schema file's label, unless told
+    table = load_party_table(args.file, args.id_column, label, labelled=label is not None,
+                             categorical=_list(args.categorical), numeric=_list(args.numeric), id_type=args.id_type,
+                             task=args.task)
+    schema = PartySchema(id_column=table.id_column, id_type=table.id_type, label_column=label, task=table.task,
+                         numeric=table.schema.numeric, categorical=table.schema.categorical)
+    print(schema.model_dump_json(indent=2))
+    if len(table.id_formats) > 1:
+        print(f"note: column {table.id_column!r} writes its IDs in {len(table.id_formats)} ways ("
+              + ", ".join(f"{n} {f}" for f, n in table.id_formats.items()) + f"); they are read as {table.id_type} IDs",
+              file=sys.stderr)
     if args.write:
         if target.exists() and not args.force:
             raise ConfigError(f"{target} exists; edit it, or pass --force to replace it")

@@ -102,13 +102,16 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, data: bool = True)
         parser.add_argument("--data", type=Path, required=True, help="this party's own CSV file")
         _add_table_arguments(parser)
     else:
-        parser.set_defaults(data=None, id_column=None, schema_file=None, categorical=None, numeric=None)
+        parser.set_defaults(data=None, id_column=None, id_type=None, schema_file=None, categorical=None, numeric=None)
     _add_transport_arguments(parser)
 
 
 def _add_table_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default=None,
                         help="customer ID column (default: the schema file's, else customer_id)")
+    parser.add_argument("--id-type", choices=["integer", "text"], default=None,
+                        help="integer: 12, 12.0 and 0012 are one customer; text: IDs as written (default: the "
+                             "schema file's, else integer if every ID is a whole number)")
     parser.add_argument("--schema", dest="schema_file", type=Path, default=None,
                         help="the table's schema file (default: <data>.schema.json if present, else inferred; "
                              "python -m data schema FILE writes one to edit)")
@@ -151,7 +154,7 @@ def _add_transport_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SERVICE_FIELDS = (
-    "name", "data", "id_column", "schema_file", "categorical", "numeric", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
+    "name", "data", "id_column", "id_type", "schema_file", "categorical", "numeric", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
     "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus", "step_poll_ms",
 )
 

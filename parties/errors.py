@@ -21,6 +21,7 @@ The tree::
     ├── OverBudget                  the caller used up its PSI budget for now  -> 429
     ├── AlignmentError              private set intersection could not finish  -> 422
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
+    │   ├── IdTypeMismatch          the two sides' IDs are of different types (integer, text)
     │   └── AlignmentMismatch       the two sides computed different results
     └── PeerError                   a peer failed, dropped or refused us       -> 502
         ├── PeerUnavailable         no answer at all (refused, reset, timed out): retry
@@ -44,6 +45,7 @@ __all__ = [
     "DatasetUnavailable",
     "Forbidden",
     "HijackSuspected",
+    "IdTypeMismatch",
     "IntersectionTooSmall",
     "NotAligned",
     "NotReady",
@@ -140,6 +142,10 @@ class AlignmentError(CutlayerError):
 
 
 class IntersectionTooSmall(AlignmentError):
+    pass
+
+
+class IdTypeMismatch(AlignmentError):
     pass
 
 

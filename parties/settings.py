@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from parties.errors import ConfigError
-from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
+from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig, TaskKind
+from parties.tables.ids import IdType
 from parties.transport.tls import Role, TLSFiles, is_loopback
 
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
@@ -33,6 +34,8 @@ class ServiceSettings(BaseSettings):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     data: Path
     id_column: str | None = Field(None, description="default: the schema file's, else customer_id")
+    id_type: IdType | None = Field(None, description="integer (12, 12.0 and 0012 are one customer) or text (IDs as "
+                                   "written); default: the schema file's, else integer if every ID is one")
     schema_file: Path | None = None
     categorical: tuple[str, ...] = Field((), description="columns to treat as categorical (integer codes)")
     numeric: tuple[str, ...] = Field((), description="columns to treat as numeric")
@@ -114,7 +117,7 @@ class ServiceSettings(BaseSettings):
         from parties.tables.table import load_party_table
 
         return load_party_table(self.data, self.id_column, schema_path=self.schema_file,
-                                categorical=self.categorical, numeric=self.numeric)
+                                categorical=self.categorical, numeric=self.numeric, id_type=self.id_type)
 
     @property
     def step_poll_seconds(self) -> float:
@@ -231,6 +234,8 @@ class BankSettings(ServiceSettings):
     role: ClassVar[Role] = "bank"
 
     label: str | None = Field(None, description="the label column; default: the schema file's, else y")
+    task: TaskKind | None = Field(None, description="what the label is: binary, multiclass or regression; default: "
+                                  "the schema file's, else inferred from the label's values")
     partners: dict[str, str] = Field(default_factory=dict)
     peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
     peer_retry_deadline: float = Field(
@@ -241,7 +246,8 @@ class BankSettings(ServiceSettings):
         from parties.tables.table import load_party_table
 
         return load_party_table(self.data, self.id_column, self.label, schema_path=self.schema_file, labelled=True,
-                                categorical=self.categorical, numeric=self.numeric)
+                                categorical=self.categorical, numeric=self.numeric, id_type=self.id_type,
+                                task=self.task)
 
     @field_validator("partners")
     @classmethod

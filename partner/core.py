@@ -13,7 +13,7 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.psi import PROTOCOL_VERSION, PsiResponder, check_minimum, partnership_dst
+from alignment.psi import PROTOCOL_VERSION, PsiResponder, check_id_types, check_minimum, partnership_dst
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.learning.config import LocalSteps
 from parties.learning.embedding_dp import EmbeddingDP
@@ -63,6 +63,7 @@ class PartnerCore:
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         if request.version != PROTOCOL_VERSION:
             raise BadMessage(f"PSI protocol version {request.version}; this partner speaks {PROTOCOL_VERSION}")
+        check_id_types(self.table.id_type, request.id_type, "the bank")  # before any budget or blinding
         self.budgets.charge(owner, request.count)  # before anything is blinded
         with self._lock:
             self._expire()
@@ -80,7 +81,8 @@ class PartnerCore:
         with self._lock:
             self._sessions[responder.session_id] = responder
         logger.info("PSI session %s opened", responder.session_id)
-        return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items)
+        return PsiOpenResponse(session=responder.session_id, count=responder.own_count, chunk_items=responder.chunk_items,
+                               id_type=self.table.id_type)
 
     def _hashed_for(self, bank: str) -> Future[bytes]:
         with self._lock:

@@ -173,7 +173,7 @@ def test_an_intersection_under_the_minimum_is_refused(pki, write_csv, start_part
     limits[where] = {"min_intersection": 10}
     partner = start_partner(write_csv("p.csv", customer_id=common + ["p"], x=list("123456")), **limits["partner"])
     bank = start_bank(
-        write_csv("b.csv", customer_id=common + ["b"], z=list("123456"), y=["no"] * 6),
+        write_csv("b.csv", customer_id=common + ["b"], z=list("123456"), y=["no", "yes"] * 3),
         {"partner": partner.url}, **limits["bank"],
     )
     with operator(pki, bank.url) as op, pytest.raises(JobFailed, match="5 customers, under the minimum of 10"):

@@ -75,7 +75,8 @@ def test_regression_is_a_config_change(tmp_path: Path) -> None:
     coordinator, _ = _in_process(tmp_path, [f"{3 * s:.4f}" for s in signal], "regression", epochs=20, batch_size=32)
     outcome = coordinator.run()
     assert outcome.test_metrics["r2"] > 0.5
-    assert set(outcome.test_metrics) == {"mse", "mae", "r2"}
+    assert set(outcome.test_metrics) == {"mse", "rmse", "mae", "r2"}
+    assert outcome.test_metrics["rmse"] == pytest.approx(outcome.test_metrics["mse"] ** 0.5)
 
 
 def test_regression_on_a_monetary_scale_learns_a_standardised_target(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) 
         val = torch.from_numpy(split.val.astype(np.int64))
         for epoch in range(config.epochs):
             start = time.perf_counter()
-            model.train_batches(epoch_batches(split.train, config.batch_size, config.seed, epoch), targets)
+            model.train_batches(epoch_batches(split.train, config.batch, config.seed, epoch), targets)
             steps.append(time.perf_counter() - start)
             model.eval()
             with torch.no_grad():
@@ -196,13 +196,13 @@ def run_training_bench(
         finally:
             services.close()
         progress("timing the wire alone")
-        floor = measure_wire_floor(out / "certs", request=config.batch_size * (4 * width + 8),
-                                   answer=config.batch_size * 4 * width, cpus=cpus, out=out)
+        floor = measure_wire_floor(out / "certs", request=config.batch * (4 * width + 8),
+                                   answer=config.batch * 4 * width, cpus=cpus, out=out)
     ratios = [s / u for s, u in zip(split_steps, unsplit_steps)]
     totals = [s / u for s, u in zip(split_totals, unsplit_totals)]
     comm = first["communication"]["partner"]
     return TrainingBench(
-        rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=cpus is not None, batch_size=config.batch_size,
+        rows=sum(first["rows"].values()), epochs=epochs, rounds=rounds, pinned=cpus is not None, batch_size=config.batch,
         wire_precision=config.wire_precision,
         split_epoch_seconds=round(float(np.median(split_steps)), 4),
         unsplit_epoch_seconds=round(float(np.median(unsplit_steps)), 4),

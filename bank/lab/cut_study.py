@@ -171,10 +171,10 @@ def run_cut_study(
         started = time.perf_counter()
         measured = measure(fed, training, partner_bottom=partner_bottom, known_labels=known_labels)
         seconds = time.perf_counter() - started
-        partner_ms, bank_ms = step_compute(point, dims["partner"], dims["bank"], training.batch_size)
-        per_step = step_bytes(training.batch_size, point.cut_width)
+        partner_ms, bank_ms = step_compute(point, dims["partner"], dims["bank"], training.batch)
+        per_step = step_bytes(training.batch, point.cut_width)
         split = split_rows(len(fed.targets), fed.targets, fed.task, training)
-        steps = math.ceil(len(split.train) / training.batch_size)  # and a flush, which carries no embedding
+        steps = math.ceil(len(split.train) / training.batch)  # and a flush, which carries no embedding
         results.append({
             "point": point.name, "axis": point.axis, "default": point.is_default,
             "partner_hidden": "-".join(map(str, point.partner_hidden)) or "none", "cut_width": point.cut_width,

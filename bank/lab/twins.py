@@ -87,7 +87,7 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
     early, step, seconds = _Early(t.patience), 0, []
     for epoch in range(t.epochs):
         began = time.perf_counter()
-        for rows in epoch_batches(split.train, t.batch_size, t.seed, epoch):
+        for rows in epoch_batches(split.train, t.batch, t.seed, epoch):
             if t.max_steps is not None and step >= t.max_steps:
                 break
             step += 1
@@ -150,10 +150,10 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
         began = time.perf_counter()
         if relay:
             for b in order:
-                for r in epoch_batches(labels[b].split.train, t.batch_size, t.seed, epoch):
+                for r in epoch_batches(labels[b].split.train, t.batch, t.seed, epoch):
                     step([b], [r])
         else:
-            batches = {b: epoch_batches(labels[b].split.train, t.batch_size, t.seed, epoch) for b in order}
+            batches = {b: epoch_batches(labels[b].split.train, t.batch, t.seed, epoch) for b in order}
             longest = max(len(v) for v in batches.values())
             for j in range(longest):
                 active = [b for b in order if j < len(batches[b])]
@@ -199,7 +199,7 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
     early, seconds = _Early(t.patience), []
     for epoch in range(t.epochs):
         began = time.perf_counter()
-        for rows in epoch_batches(train, t.batch_size, t.seed, epoch):
+        for rows in epoch_batches(train, t.batch, t.seed, epoch):
             _update(optimizers, task.loss(model(x[rows]), y[rows]))
         seconds.append(time.perf_counter() - began)
         if early.record(epoch, task.metrics(y[torch.from_numpy(val)], scores(val))["roc_auc"], model.state_dict()):

@@ -201,7 +201,7 @@ def run_wan_bench(
         first = seen[next(iter(configs))][0]["result"]
         return WanBench(
             rtt_ms=rtt_ms, rate_mbit=rate_mbit, congestion=congestion, link=link.kind, rows=sum(first["rows"].values()),
-            epochs=epochs, rounds=rounds, batch_size=next(iter(configs.values())).batch_size, target_auc=target_auc,
+            epochs=epochs, rounds=rounds, batch_size=next(iter(configs.values())).batch_size or "adaptive", target_auc=target_auc,
             modes=[_mode(name, (WAN_MODES if modes is None else modes)[name], runs, link, target_auc)
                    for name, runs in seen.items()],
         )

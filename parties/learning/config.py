@@ -10,7 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "OptimizerConfig", "PrivacyConfig"]
+__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "OptimizerConfig", "PrivacyConfig", "TaskKind"]
+
+#: What the bank's label is: it decides the loss, the metrics and how a label column is validated.
+TaskKind = Literal["binary", "multiclass", "regression"]
 
 
 class OptimizerConfig(BaseModel):

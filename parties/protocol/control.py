@@ -57,12 +57,19 @@ class AlignmentRequest(Message):
     order_seed: int = Field(0, description="seeds the shared row order (same data and seed: same order)")
     mode: Literal["concurrent", "sequential"] = Field(
         "concurrent", description="align with every partner at once, or one after another (same result)")
+    expect_overlap: float | None = Field(
+        None, gt=0, le=1, description="the share of the bank's customers the operator expects each partner to hold: "
+        "a partner matching far fewer (under three quarters of it) is warned about")
 
 
 class AlignmentInfo(Message):
     alignment_id: str
     rows: int
     pairwise: dict[str, int] = Field(default_factory=dict)
+    bank_customers: int | None = Field(None, description="the bank's customers (the bank's answer only)")
+    shares: dict[str, float] = Field(default_factory=dict, description="per partner, the share of the bank's "
+                                     "customers it matched")
+    warnings: list[str] = Field(default_factory=list)
 
 
 class JobStatus(Message):

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from parties.errors import BadMessage
 from parties.protocol.common import Message
+from parties.tables.ids import IdType
 
 __all__ = [
     "ALIGNMENT_HEADER",
@@ -58,12 +59,14 @@ class PsiOpenRequest(Message):
     version: int = Field(PROTOCOL_VERSION, description="the PSI protocol version")
     count: int = Field(ge=0, le=MAX_IDS, description="IDs the initiator will send")
     chunk_items: int = Field(ge=1, le=MAX_CHUNK_ITEMS)
+    id_type: IdType = Field("text", description="how the initiator's IDs were canonicalised (parties.tables.ids)")
 
 
 class PsiOpenResponse(Message):
     session: str
     count: int = Field(ge=0)
     chunk_items: int = Field(ge=1)
+    id_type: IdType = "text"
 
 
 def encode_positions(positions: np.ndarray) -> bytes:

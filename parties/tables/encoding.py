@@ -15,8 +15,7 @@ import numpy as np
 import pandas as pd
 
 from parties.errors import DataError
-from parties.tables.schema import POLICIES
-from parties.tables.table import FeatureSchema
+from parties.tables.schema import POLICIES, FeatureSchema
 
 __all__ = ["Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
 

@@ -1,12 +1,123 @@
-"""Customer IDs: the one normalisation rule every party applies before hashing or matching."""
+"""Customer IDs: their declared type, the one canonical form every party hashes, and what formats a column mixes.
+
+Two files of the same customers often write the same ID differently: ``12`` and ``12.0`` (a column a
+spreadsheet once read as numbers), ``00101`` and ``101`` (zero padding), `` 151 `` (white space).
+Matched as text they are different customers, and alignment would silently find fewer rows. So a
+party's schema declares what its IDs are:
+
+* ``integer``: each ID is an integer, written however: ``12``, ``12.0``, ``+12``, ``0012`` and ``1.2e1``
+  are all 12, canonically ``"12"``. An ID that is not a whole number (``12.5``, ``n/a``) is refused.
+* ``text``: each ID is text, kept as written but for surrounding white space and Unicode NFC:
+  ``00101`` and ``101`` are two customers.
+
+Both sides of a PSI session state their type when the session opens; different types are refused,
+never matched. A column whose IDs are written in more than one way is reported per format (counts
+only, never an ID) when the table loads.
+"""
 
 from __future__ import annotations
 
+import re
 import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Literal
 
-__all__ = ["normalize_id"]
+__all__ = ["ID_TYPES", "IdType", "canonical_ids", "id_formats", "infer_id_type", "normalize_id"]
+
+IdType = Literal["integer", "text"]
+ID_TYPES: tuple[IdType, ...] = ("integer", "text")
+
+_PLAIN = re.compile(r"[1-9][0-9]*|0")
+_DIGITS = re.compile(r"[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+#: The ways one ID can be written, in the order a report lists them.
+FORMATS = ("plain integer", "zero-padded integer", "integer with a sign", "integer with a decimal point",
+           "integer in exponent notation", "number with a fraction", "text", "with surrounding white space")
 
 
 def normalize_id(raw: object) -> bytes:
-    """The documented normalisation rule: strip surrounding white space, Unicode NFC, UTF-8."""
+    """A text ID's canonical bytes: surrounding white space stripped, Unicode NFC, UTF-8."""
     return unicodedata.normalize("NFC", str(raw).strip()).encode("utf-8")
+
+
+def _integer(text: str) -> int | None:
+    """The integer ``text`` writes (already stripped), or ``None`` if it writes no whole number."""
+    if _DIGITS.fullmatch(text):
+        return int(text)
+    if not _NUMBER.fullmatch(text):
+        return None
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not value.is_finite() or value != value.to_integral_value():
+        return None
+    return int(value)
+
+
+def _format(raw: str) -> str:
+    text = raw.strip()
+    if _PLAIN.fullmatch(text):
+        return "plain integer"
+    if _DIGITS.fullmatch(text):
+        return "zero-padded integer"
+    if _NUMBER.fullmatch(text):
+        if _integer(text) is None:
+            return "number with a fraction"
+        if "e" in text.lower():
+            return "integer in exponent notation"
+        if "." in text:
+            return "integer with a decimal point"
+        return "integer with a sign"
+    return "text"
+
+
+def id_formats(raw: Iterable[str]) -> dict[str, int]:
+    """How many IDs are written in each format (``FORMATS``); white space around an ID counts apart too."""
+    counts: Counter[str] = Counter()
+    for value in raw:
+        counts[_format(value)] += 1
+        if value != value.strip():
+            counts["with surrounding white space"] += 1
+    return {f: counts[f] for f in FORMATS if counts[f]}
+
+
+def infer_id_type(raw: Iterable[str]) -> IdType:
+    """``integer`` when every ID writes a whole number, else ``text``."""
+    return "integer" if all(_integer(v.strip()) is not None for v in raw) else "text"
+
+
+class IdError(ValueError):
+    """IDs that are not of their declared type: how many, the first one's position, and what was wrong."""
+
+    def __init__(self, count: int, first: int, what: str) -> None:
+        super().__init__(f"{count} {what} (first at position {first})")
+        self.count, self.first, self.what = count, first, what
+
+
+def canonical_ids(raw: Sequence[str], id_type: IdType) -> list[bytes]:
+    """Every ID's canonical bytes under ``id_type``; ``IdError`` for IDs that are not of that type."""
+    if id_type == "text":
+        return [normalize_id(v) for v in raw]
+    out: list[bytes] = []
+    bad: list[int] = []
+    fractions = 0
+    for pos, value in enumerate(raw):
+        text = value.strip()
+        if _PLAIN.fullmatch(text):  # nearly every ID of a clean column: no parsing at all
+            out.append(text.encode("ascii"))
+            continue
+        number = _integer(text)
+        if number is None:
+            bad.append(pos)
+            fractions += _NUMBER.fullmatch(text) is not None
+            continue
+        out.append(str(number).encode("ascii"))
+    if bad:
+        what = ("IDs that are numbers with a fraction, not integers" if fractions == len(bad) else
+                "IDs that are not integers" + (f" ({fractions} with a fraction)" if fractions else ""))
+        raise IdError(len(bad), bad[0], what)
+    return out

@@ -14,6 +14,7 @@ a missing number as the training mean; scoring counts every value that took one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -21,9 +22,12 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from parties.errors import DataError
+from parties.learning.config import TaskKind
 from parties.storage.files import atomic_write_text
+from parties.tables.ids import IdType
 
-__all__ = ["DEFAULT_ID_COLUMN", "DEFAULT_LABEL", "POLICIES", "PartySchema", "infer_kinds", "read_schema", "sidecar_path"]
+__all__ = ["DEFAULT_ID_COLUMN", "DEFAULT_LABEL", "POLICIES", "FeatureSchema", "PartySchema", "file_row", "infer_kinds",
+           "read_schema", "sidecar_path"]
 
 DEFAULT_ID_COLUMN = "customer_id"
 DEFAULT_LABEL = "y"
@@ -36,6 +40,23 @@ POLICIES = {
 }
 
 
+@dataclass(frozen=True)
+class FeatureSchema:
+    """Which of a party's columns are numeric and which categorical."""
+
+    numeric: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.numeric + self.categorical
+
+
+def file_row(position: int) -> int:
+    """A row's number as a person finds it in the file: 1-based, the header being row 1."""
+    return position + 2
+
+
 class PartySchema(BaseModel):
     """The schema file's content; older files without a version or policies read as version 1."""
 
@@ -43,7 +64,11 @@ class PartySchema(BaseModel):
 
     schema_version: Literal[1] = 1
     id_column: str = DEFAULT_ID_COLUMN
+    #: integer: 12, 12.0 and 0012 are one customer; text: IDs as written (parties.tables.ids). None: inferred.
+    id_type: IdType | None = None
     label_column: str | None = None
+    #: the bank's label: binary, multiclass or regression (parties.tables.labels). None: inferred.
+    task: TaskKind | None = None
     numeric: tuple[str, ...] = ()
     categorical: tuple[str, ...] = ()
     policies: dict[str, str] = POLICIES

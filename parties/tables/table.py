@@ -20,8 +20,19 @@ from safetensors.torch import save as save_tensors
 
 from parties.errors import DataError
 from parties.storage.files import atomic_write_bytes
-from parties.tables.ids import normalize_id
-from parties.tables.schema import DEFAULT_ID_COLUMN, DEFAULT_LABEL, PartySchema, infer_kinds, read_schema, sidecar_path
+from parties.learning.config import TaskKind
+from parties.tables.ids import IdError, IdType, canonical_ids, id_formats, infer_id_type
+from parties.tables.labels import check_labels, label_text
+from parties.tables.schema import (
+    DEFAULT_ID_COLUMN,
+    DEFAULT_LABEL,
+    FeatureSchema,
+    PartySchema,
+    file_row,
+    infer_kinds,
+    read_schema,
+    sidecar_path,
+)
 
 __all__ = [
     "AlignedRows",
@@ -38,19 +49,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class FeatureSchema:
-    """Which of a party's columns are numeric and which categorical."""
-
-    numeric: tuple[str, ...] = ()
-    categorical: tuple[str, ...] = ()
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return self.numeric + self.categorical
-
-
-@dataclass(frozen=True)
 class PartyTable:
+    """A party's rows. ``normalized_ids``: each ID's canonical bytes under ``id_type`` (what PSI hashes);
+    ``labels`` (the bank's): normalised text, checked against ``task``; ``id_formats``: how many IDs are
+    written in each way (``parties.tables.ids``)."""
+
     path: Path
     id_column: str
     ids: tuple[str, ...]
@@ -58,6 +61,9 @@ class PartyTable:
     schema: FeatureSchema
     labels: pd.Series | None = None
     normalized_ids: tuple[bytes, ...] = field(default=(), repr=False)
+    id_type: IdType = "text"
+    task: TaskKind | None = None
+    id_formats: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -70,8 +76,7 @@ def sniff_separator(path: Path) -> str:
     return ";" if header.count(";") > header.count(",") else ","
 
 
-def _row(position: int) -> int:
-    return position + 2  # 1-based, after the header line
+_row = file_row
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -120,16 +125,20 @@ def load_party_table(
     numeric: Sequence[str] = (),
     schema: FeatureSchema | None = None,
     missing_numbers: bool = True,
+    id_type: IdType | None = None,
+    task: TaskKind | None = None,
 ) -> PartyTable:
     """Load and validate a party's table (CSV or Parquet).
 
     The ID column is ``id_column``, else the schema file's, else ``customer_id``;
-    with ``labelled`` (the bank) the label is ``label_column``, else the schema
-    file's, else ``y``. The feature kinds are ``schema`` (a trained model's, at
-    scoring), else the schema file (``schema_path``, else ``<file>.schema.json``
-    beside the data), else inferred; ``categorical``/``numeric`` override either.
-    ``missing_numbers``: an empty numeric cell is kept as missing (the
-    encoder imputes the training mean, and counts it); ``False`` refuses it.
+    its type ``id_type``, else the schema file's, else inferred. With ``labelled``
+    (the bank) the label is ``label_column``, else the schema file's, else ``y``,
+    checked against ``task``, else the schema file's, else the inferred task. The
+    feature kinds are ``schema`` (a trained model's, at scoring), else the schema
+    file (``schema_path``, else ``<file>.schema.json`` beside the data), else
+    inferred; ``categorical``/``numeric`` override either. ``missing_numbers``: an
+    empty numeric cell is kept as missing (the encoder imputes the training
+    mean, and counts it); ``False`` refuses it.
     """
     path = Path(path)
     if not path.is_file():
@@ -153,24 +162,32 @@ def load_party_table(
     blank = raw_ids.str.strip() == ""
     if blank.any():
         raise DataError(f"{path}: column {id_column!r} is empty at row {_row(int(blank.to_numpy().argmax()))}")
-    normalized = [normalize_id(i) for i in raw_ids]
-    seen: dict[bytes, int] = {}
-    for pos, key in enumerate(normalized):
-        if key in seen:
-            raise DataError(
-                f"{path}: column {id_column!r} has duplicate IDs (rows {_row(seen[key])} and {_row(pos)}, "
-                "after stripping white space and Unicode NFC)"
-            )
-        seen[key] = pos
+    id_type = id_type or (declared.id_type if declared else None)
+    inferred = id_type is None
+    id_type = id_type or infer_id_type(raw_ids)
+    try:
+        normalized = canonical_ids(raw_ids.tolist(), id_type)
+    except IdError as exc:
+        raise DataError(f"{path}: column {id_column!r} holds {exc.count} {exc.what}, "
+                        f"first at row {_row(exc.first)}; its IDs are declared integer (id_type in "
+                        f"{sidecar_file.name}): declare them text, or fix those rows") from exc
+    formats = id_formats(raw_ids)
+    _check_unique(path, id_column, id_type, normalized)
+    if len(formats) > 1:
+        logger.warning("%s: column %r writes its IDs in %d ways (%s); they are read as %s IDs (%s)%s", path.name,
+                       id_column, len(formats), ", ".join(f"{n} {f}" for f, n in formats.items()), id_type,
+                       "12, 12.0 and 0012 are one customer" if id_type == "integer" else "each as written",
+                       ", inferred: declare id_type in the schema file to choose" if inferred else "")
 
     labels = None
     if label_column is not None:
-        labels = frame[label_column]
-        missing = labels.str.strip() == ""
+        labels = label_text(frame[label_column])
+        missing = labels == ""
         if missing.any():
             raise DataError(
                 f"{path}: column {label_column!r} has no label at row {_row(int(missing.to_numpy().argmax()))}"
             )
+        task = check_labels(labels, task or (declared.task if declared else None), label_column, path)
 
     feature_cols = [c for c in columns if c not in (id_column, label_column)]
     if schema is None:
@@ -207,7 +224,21 @@ def load_party_table(
         schema=schema,
         labels=labels,
         normalized_ids=tuple(normalized),
+        id_type=id_type,
+        task=task if labels is not None else None,
+        id_formats=formats,
     )
+
+
+def _check_unique(path: Path, column: str, id_type: IdType, normalized: list[bytes]) -> None:
+    seen: dict[bytes, int] = {}
+    for pos, key in enumerate(normalized):
+        if key in seen:
+            rule = ("as integers: 12, 12.0 and 0012 are one ID" if id_type == "integer" else
+                    "after stripping white space and Unicode NFC")
+            raise DataError(f"{path}: column {column!r} has duplicate IDs (rows {_row(seen[key])} and {_row(pos)}, "
+                            f"{rule})")
+        seen[key] = pos
 
 
 def _feature_schema(path: Path, sidecar: Path, declared: PartySchema | None, frame: pd.DataFrame,
