@@ -36,7 +36,7 @@ class LocalPsiPeer:
             raise UnknownSession(f"no PSI session {session_id}") from None
 
     def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
-        check_id_types(self.id_type, id_type, "the initiator")
+        check_id_types(self.id_type, id_type, "the responder", "the initiator")
         r = PsiResponder(self.own_points, own_count, self.pool, self.threads, chunk_items)
         self.sessions[r.session_id] = r
         return SessionInfo(r.session_id, r.own_count, r.chunk_items, self.id_type)

@@ -15,8 +15,10 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -51,10 +53,36 @@ def start_fork_server(workers: int | None) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _ignore_interrupts() -> None:
-    # Ctrl-C goes to every process in the terminal's group; the service that owns the pool shuts it
-    # down, so a worker has nothing to do with the signal but print a traceback.
+def _worker_init(owner: int) -> None:
+    """Ignore Ctrl-C, and exit when ``owner`` (the process whose pool this is) exits, however it ends.
+
+    Ctrl-C goes to every process in the terminal's group; the service that owns the pool shuts it
+    down, so a worker has nothing to do with the signal but print a traceback. But an owner killed
+    outright (SIGKILL, the OOM killer) shuts nothing down: its workers, forked by the fork server, wait on
+    a queue they hold both ends of, and keep the fork server and the resource tracker alive with them.
+    So each worker watches its owner and follows it.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(owner,), daemon=True, name="owner-watch").start()
+
+
+def _exit_with(owner: int) -> None:
+    try:
+        handle = os.pidfd_open(owner)  # Linux: readable the moment the owner exits
+    except (AttributeError, OSError):
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+    else:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, and another user's: cannot be ours, but keep watching
+                continue
+    os._exit(0)
 
 
 def _hash_slice(ids: Sequence[bytes], dst: bytes) -> bytes:
@@ -72,7 +100,7 @@ class WorkerPool:
         if self._executor is None:
             ctx = multiprocessing.get_context("forkserver")
             self._executor = ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=ctx, initializer=_ignore_interrupts
+                max_workers=self.workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)
             )
             logger.info("started %d PSI worker processes", self.workers)
         return self._executor

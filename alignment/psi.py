@@ -318,7 +318,7 @@ def run_initiator(
     order = fresh_order(own_count)
     info = peer.open(own_count, chunk_items, id_type)
     try:
-        check_id_types(id_type, info.id_type, "the peer")
+        check_id_types(id_type, info.id_type, "the bank", "the partner")
         if info.chunk_items != chunk_items:
             raise PeerError(f"the peer answered chunks of {info.chunk_items} IDs; {chunk_items} were asked")
         if not 0 <= info.peer_count <= max_peer_count:
@@ -359,11 +359,11 @@ def partnership_dst(bank: str, partner: str) -> bytes:
     return curve.psi_dst(f"{bank}|{partner}")
 
 
-def check_id_types(own: IdType, theirs: IdType, who: str) -> None:
+def check_id_types(own: IdType, theirs: IdType, us: str, them: str) -> None:
     """Both sides' IDs are of one type, or nothing they share is found: refuse, saying how to agree."""
     if own != theirs:
         raise IdTypeMismatch(
-            f"this side's customer IDs are {own} and {who}'s are {theirs}: matched, IDs such as 12 and 0012 would be "
+            f"{us}'s customer IDs are {own} and {them}'s are {theirs}: matched, IDs such as 12 and 0012 would be "
             f"one customer on one side and two on the other. Declare the same id_type in both parties' schema "
             f"files (or --id-type on serve): integer if every ID is a whole number, else text")
 

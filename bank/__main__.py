@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--model", required=True, help="the model id (its training session)")
     sc.add_argument("--data", type=Path, required=True, help="CSV of customer IDs and the bank's own columns")
     sc.add_argument("--out", type=Path, required=True, help="where to write the scores (CSV)")
+    sc.add_argument("--accept-drift", action="store_true",
+                    help="score even when a column's population stability index against the training rows is above "
+                         "0.25 (default: refuse, naming the columns; above 0.1 is a warning)")
     sc.add_argument("--allow-missing", action="store_true",
                     help="score customers some partners lack with the model of the parties that hold them "
                          "(trained with the joint model; e.g. the bank-only model); default: report them unscorable")
@@ -220,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--partition", type=Path, default=None,
                    help="the folder python -m data partition wrote, for the references (default: RUN/data, "
                         "as the walkthrough keeps it)")
+    r.add_argument("--party-file", action="append", default=[], metavar="NAME=FILE",
+                   help="instead of --partition: each party's own file, once per party (pre-split files; the "
+                        "references join them, as only a simulation can)")
     _add_log_level(r)
 
     ss = command(sub, "subset-study", "customers no partner holds: the bank-only model's choice, and whether "

@@ -98,12 +98,30 @@ def train(args: argparse.Namespace) -> int:
         job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
         result = _follow(operator, job, "training")
     print(json.dumps({k: result[k] for k in ("session", "run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
-    connection = f"--url {args.url} " + ("--insecure" if args.insecure else f"--tls-dir {args.tls_dir}")
-    print(f"\nmodel id: {result['session']}\n"
-          f"next, score new customers (a CSV of IDs and the bank's own columns):\n"
-          f"  python -m bank score {connection} --model {result['session']} "
-          f"--data new_customers.csv --out scores.csv")
+    for setting, why in result.get("defaults_chosen", {}).items():
+        print(f"{setting}: {why}", file=sys.stderr)
+    rollbacks = result.get("timings", {}).get("rollbacks", 0)
+    if rollbacks:
+        print(f"a party restarted during training: every party was rolled back to a common checkpoint {rollbacks} "
+              "time(s), and training went on from there (the model is the one an uninterrupted run gives)",
+              file=sys.stderr)
+    print_score_command(args, result)
     return 0
+
+
+def print_score_command(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The ``score`` command for the model just trained, as it runs: on the bank's own file, which scores every
+    customer it holds; a file of new customers takes the same columns."""
+    import shlex
+
+    connection = ["--url", args.url, "--name", args.name]
+    connection += ["--insecure"] if args.insecure else ["--tls-dir", str(args.tls_dir)]
+    scoring = result["scoring"]
+    command = ["python", "-m", "bank", "score", *connection, "--model", result["session"], "--data", scoring["data"],
+               "--out", "scores.csv"]
+    print(f"\nmodel id: {result['session']}\n"
+          f"score customers with it: a CSV or Parquet file with the columns {', '.join(scoring['columns'])}; the "
+          f"bank's own file is one, and scores every customer it holds:\n  {shlex.join(command)}")
 
 
 def sessions(args: argparse.Namespace) -> int:
@@ -128,7 +146,7 @@ def score(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"{args.data}: cannot read ({exc.strerror})") from exc
     with BankOperator(args.url, tls, args.name) as operator:
-        job = operator.start_scoring(args.model, csv, args.allow_missing)
+        job = operator.start_scoring(args.model, csv, args.allow_missing, args.accept_drift)
         result = _follow(operator, job, "scoring")
         args.out.write_bytes(operator.scores(job.job_id))
     print_scoring(result, args.out)
@@ -154,7 +172,7 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
 
         def show(status: JobStatus) -> None:
             bar.n = int(1000 * (status.fraction or 0))
-            bar.set_postfix_str(status.progress[:60])
+            bar.set_postfix_str(status.progress[:110])
 
         result = operator.wait(job, on_progress=show)
         bar.n = bar.total  # the job is done: whatever its last progress report said
@@ -345,6 +363,8 @@ def print_scoring(result: dict[str, Any], out: Path) -> None:
     if result["unscorable"]:
         print(f"  {result['unscorable']} not scored: some partners do not hold them (their status says which); "
               "--allow-missing scores them with the model of the parties that do")
+    for warning in result.get("drift_warnings", []):
+        print(f"  drift: {warning}")
     for party, columns in result.get("fallbacks", {}).items():
         for column, counts in columns.items():
             took = ", ".join(f"{n} {policy}" for policy, n in counts.items())

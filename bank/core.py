@@ -20,13 +20,15 @@ from bank.http_partner import HttpPartner
 from bank.in_process_party import InProcessParty
 from bank.manifest import read_manifest
 from bank.results import write_run
-from bank.scoring import model_schema, score_customers
+from bank.scoring import score_customers
 from bank.subsets import train_subset_models
 from bank.task import Task
 from bank.trainer import Coordinator, TrainingOutcome
 from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
 from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
+from parties.learning.trained_bottom import ScoringBottom
 from parties.settings import BankSettings
+from parties.tables.drift import judge_drift
 from parties.storage.files import atomic_write_bytes, atomic_write_text
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
 from parties.transport.client import client_for, make_channel
@@ -168,6 +170,8 @@ class BankCore:
         runs = self.settings.state_path / "runs"
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
             partners = [proxies.enter_context(p) for p in self._proxies(client, list(urls)).values()]
+            for partner in partners:  # a partner restarting: the operator sees the retries, not a frozen bar
+                partner.on_retry = lambda message: progress(message, None)
             self._release_abandoned(partners)
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
@@ -202,7 +206,10 @@ class BankCore:
             bank_rows=alignment.rows, subsets=subsets, chosen=coordinator.chosen, bank_ids=self.table.ids,
             id_column=self.table.id_column,
         )
-        return {"run_dir": str(run_dir), **metrics}
+        # What a file of customers to score holds: the bank's own file is one (it scores every customer).
+        scoring = {"data": str(Path(self.settings.data).resolve()),
+                   "columns": [self.table.id_column, *self.table.schema.columns]}
+        return {"run_dir": str(run_dir), **metrics, "scoring": scoring}
 
     def _release_abandoned(self, partners: list[HttpPartner]) -> None:
         """Unload, at each partner, this bank's sessions that no job of this process runs: what a crash
@@ -300,32 +307,38 @@ class BankCore:
         return folder
 
     def score(self, model_id: str, upload: Path, table: PartyTable, allow_missing: bool,
-              progress: Progress) -> dict[str, Any]:
+              progress: Progress, accept_drift: bool = False) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
             partners = {n: proxies.enter_context(p) for n, p in self._proxies(client, names).items()}
             result = score_customers(table, model_dir, self.settings.name, partners, self.pool,
-                                     allow_missing=allow_missing, progress=progress)
+                                     allow_missing=allow_missing, accept_drift=accept_drift, progress=progress)
         scores = result.table
         out = upload.with_name("scores.csv")
         atomic_write_text(out, scores.to_csv(index=False))  # 0600, like every file of the bank's
         scored = int(scores["status"].str.startswith("scored").sum())
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
                 "unscorable": len(scores) - scored, "scored_without": result.scored_without,
-                "models": result.models, "refused": result.refused, "fallbacks": result.fallbacks}
+                "models": result.models, "refused": result.refused, "fallbacks": result.fallbacks,
+                "drift": result.drift, "drift_warnings": result.drift_warnings}
 
-    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool) -> Job:
-        """Check the customers file now (a bad file is refused with the reason, HTTP 422), score it in a job."""
+    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool, accept_drift: bool = False) -> Job:
+        """Check the customers file now (a bad file, or one whose bank columns drift past the refusal threshold,
+        is refused with the reason, HTTP 422), score it in a job."""
         model_dir = self.model_dir(model_id)
         upload = self.settings.state_path / "scores" / uuid.uuid4().hex / "customers.csv"
         atomic_write_bytes(upload, csv)
+        own = ScoringBottom(model_dir / "bank", read_manifest(model_dir).party(self.settings.name).files)
         try:
-            table = load_party_table(upload, self.table.id_column, schema=model_schema(model_dir, self.settings.name))
+            table = load_party_table(upload, self.table.id_column, schema=own.encoder.schema,
+                                     id_type=self.table.id_type)
+            judge_drift({self.settings.name: own.encoder.drift(table.features)}, accept_drift)
         except DataError as exc:
             shutil.rmtree(upload.parent, ignore_errors=True)
             raise DataError(str(exc).replace(str(upload), "the customers file")) from exc
-        return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, table, allow_missing, progress))
+        return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, table, allow_missing, progress,
+                                                                       accept_drift))
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:

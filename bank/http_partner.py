@@ -46,6 +46,7 @@ from parties.protocol import control, psi, scoring, training
 from parties.protocol.codec import Precision
 from parties.protocol.common import OCTET_STREAM, fill
 from parties.protocol.wire import SAFETENSORS
+from parties.tables.drift import Drift
 from parties.tables.encoding import Fallbacks
 from parties.tables.ids import IdType
 from parties.transport.channel import Channel
@@ -110,6 +111,8 @@ class HttpPartner:
         self.width = 0
         self._chunk_items = CHUNK_ITEMS  # the PSI chunk size agreed at the last open
         self.durable: int | None = None  # the newest step the partner says it has on disk
+        # Told each retry of a silent partner, in words for the operator (the job's progress line).
+        self.on_retry: Callable[[str], None] | None = None
         self.precision: Precision = "fp32"  # how this session's step tensors travel (agreed at its start)
 
     def close(self) -> None:
@@ -243,6 +246,9 @@ class HttpPartner:
             self.retries += 1
             logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what,
                            state.next_action.sleep if state.next_action else 0.0)
+            if self.on_retry is not None:
+                self.on_retry(f"partner {self.name!r} is not answering ({what}): retrying for up to "
+                              f"{self.retry_deadline:.0f} s, {state.seconds_since_start:.0f} s so far")
 
         try:
             return retry_policy(self.retry_deadline, note)(call)
@@ -357,8 +363,10 @@ class HttpPartner:
         self._control("POST", fill(scoring.LOAD, model_id=model_id), f"loading model {model_id}", json=body)
         self.width = width
 
-    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
-        """The partner's embeddings of the rows at ``positions``, and its count of values that took a policy."""
+    def embed_for_scoring(self, model_id: str, alignment_id: str,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks, Drift]:
+        """The partner's embeddings of the rows at ``positions``, its count of values that took a policy, and
+        its columns' drift on the customers it holds."""
         what = "scoring embeddings"
         content = self._send(fill(scoring.EMBED, model_id=model_id), what,
                              scoring.ScoringRequest(alignment_id, positions).encode())()
@@ -366,7 +374,7 @@ class HttpPartner:
         z = self._checked_embedding(reply.embedding, positions.numel(), what)
         if any(n > positions.numel() for counts in reply.fallbacks.values() for n in counts.values()):
             raise PeerError(f"partner {self.name!r} counted more fallbacks than rows it embedded")
-        return z, reply.fallbacks
+        return z, reply.fallbacks, reply.drift
 
     def privacy(self) -> training.PrivacyReport:
         response = self._control("GET", fill(training.PRIVACY, **self._session), "its privacy spend")

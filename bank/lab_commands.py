@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from parties.errors import ConfigError
 
@@ -19,7 +20,16 @@ def report(args: argparse.Namespace) -> int:
     from bank.lab.analysis import load_run, write_report
 
     run = load_run(args.run)
-    written = write_report(run, references=not args.no_references, partition=args.partition)
+    if args.party_file and args.partition:
+        raise ConfigError("give --partition (a folder python -m data partition wrote) or --party-file per party, "
+                          "not both")
+    files = {}
+    for item in args.party_file:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--party-file takes NAME=FILE, got {item!r}")
+        files[name] = Path(path)
+    written = write_report(run, references=not args.no_references, partition=files or args.partition)
     for name, table in written["tables"].items():
         print(f"\n== {name}\n{table.to_string(index=False)}")
     for note in written["notes"]:

@@ -66,9 +66,11 @@ class BankOperator:
     def end_session(self, session_id: str) -> None:
         self._request("DELETE", fill(control.TRAINING, session_id=session_id))
 
-    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False) -> JobStatus:
+    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False,
+                      accept_drift: bool = False) -> JobStatus:
         response = self._request("POST", control.SCORINGS, content=csv, headers={"content-type": "text/csv"},
-                                 params={"model": model_id, "allow_missing": str(allow_missing).lower()})
+                                 params={"model": model_id, "allow_missing": str(allow_missing).lower(),
+                                         "accept_drift": str(accept_drift).lower()})
         return JobStatus.model_validate(response.json())
 
     def wait_job_id(self, job: JobStatus) -> str:

@@ -19,6 +19,7 @@ import torch
 from alignment.psi import PsiPeer
 from parties.learning.config import LocalSteps
 from parties.protocol.training import ModelFiles, PrivacyReport
+from parties.tables.drift import Drift
 from parties.tables.encoding import Fallbacks
 
 __all__ = ["ScoringParty", "TrainingParty"]
@@ -101,6 +102,7 @@ class ScoringParty(PsiPeer, Protocol):
         ...
 
     def embed_for_scoring(self, model_id: str, alignment_id: str,
-                          positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
-        """Its embeddings of the committed rows at ``positions``, and its count of values that took a policy."""
+                          positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks, Drift]:
+        """Its embeddings of the committed rows at ``positions``, its count of values that took a policy, and
+        its columns' drift on every customer it holds of the alignment (``parties.tables.drift``)."""
         ...

@@ -36,22 +36,16 @@ from bank.subsets import head_from_blob, subset_name
 from bank.task import Task
 from parties.errors import CutlayerError, DataError, IntersectionTooSmall
 from parties.learning.trained_bottom import ScoringBottom, verify_files
+from parties.tables.drift import Drift, judge_drift
 from parties.tables.encoding import Fallbacks, merge_fallbacks
-from parties.tables.table import FeatureSchema, PartyTable
+from parties.tables.table import PartyTable
 from parties.transport.jobs import Progress
 
-__all__ = ["Scores", "model_schema", "score_customers"]
+__all__ = ["Scores", "score_customers"]
 
 logger = logging.getLogger(__name__)
 
 BATCH = 8192
-
-
-def model_schema(model_dir: Path, bank_name: str) -> FeatureSchema:
-    """The bank's columns as the trained model encodes them: customers to score are read with this schema,
-    so a column means at scoring what it meant at training, whatever types the new file suggests."""
-    manifest = read_manifest(model_dir)
-    return ScoringBottom(model_dir / "bank", manifest.party(bank_name).files).encoder.schema
 
 
 @dataclass
@@ -64,6 +58,8 @@ class Scores:
     scored_without: dict[str, int]  # per partner, the customers scored without it (by a partial subset's model)
     models: dict[str, int] = field(default_factory=dict)  # customers scored by each model
     refused: dict[str, str] = field(default_factory=dict)  # partners that refused the alignment, and why
+    drift: dict[str, Drift] = field(default_factory=dict)  # per party and column, the population stability index
+    drift_warnings: list[str] = field(default_factory=list)
 
 
 class _Customers:
@@ -75,6 +71,7 @@ class _Customers:
         self.held: dict[str, np.ndarray] = {}
         self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
         self.fallbacks: dict[str, Fallbacks] = {}
+        self.drift: dict[str, Drift] = {}
 
     def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
               say: Progress) -> str | None:
@@ -96,7 +93,7 @@ class _Customers:
         self.fallbacks[name] = {}
         for start in range(0, len(result), BATCH):
             positions = torch.arange(start, min(start + BATCH, len(result)))
-            z_part, counted = partner.embed_for_scoring(manifest.model_id, scoring_id, positions)
+            z_part, counted, self.drift[name] = partner.embed_for_scoring(manifest.model_id, scoring_id, positions)
             self.embeddings[name][torch.from_numpy(result.rows[start : start + BATCH])] = z_part
             merge_fallbacks(self.fallbacks[name], counted)
             say(f"{name}: embedding {min(start + BATCH, len(result))}/{len(result)}", None)
@@ -116,9 +113,13 @@ def score_customers(
     pool: WorkerPool,
     *,
     allow_missing: bool = False,
+    accept_drift: bool = False,
     progress: Progress | None = None,
 ) -> Scores:
-    """Scores for ``table``'s customers: one row each, with ``score``, ``status``, ``parties`` and ``model``."""
+    """Scores for ``table``'s customers: one row each, with ``score``, ``status``, ``parties`` and ``model``.
+
+    Every party's columns are checked for drift from the training rows (``parties.tables.drift``): above
+    the refusal threshold nothing is scored, unless ``accept_drift``."""
     say = progress or (lambda _msg, _frac=None: None)
     manifest = read_manifest(model_dir)
     own = ScoringBottom(model_dir / "bank", manifest.party(bank_name).files)
@@ -134,6 +135,8 @@ def score_customers(
     top = head_from_blob((model_dir / "top.safetensors").read_bytes(), aggregation.width(list(widths.values())), task)
 
     customers = _Customers(table, names)
+    customers.drift[bank_name] = own.encoder.drift(table.features)
+    judge_drift({bank_name: customers.drift[bank_name]}, accept_drift)  # the bank's own columns: before any PSI
     own_features, customers.fallbacks[bank_name] = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
     customers.embeddings[bank_name] = own.embed(torch.from_numpy(own_features))
     refused = {}
@@ -147,6 +150,7 @@ def score_customers(
             refused[name] = reason
             say(f"{name} refused the alignment: {reason}", None)
 
+    drift_warnings = judge_drift(customers.drift, accept_drift)
     n = len(table)
     holders = customers.holders()
     scores = np.full((n,) if task.output_dim == 1 else (n, task.output_dim), np.nan)
@@ -186,7 +190,8 @@ def score_customers(
     say(f"scored {int(scored.sum())} of {n}" + (f" ({int(scored.sum()) - full} without every partner)"
                                                   if scored.sum() > full else ""), 1.0)
     fallbacks = {party: counts for party, counts in customers.fallbacks.items() if counts}
-    return Scores(out, fallbacks, {k: v for k, v in without.items() if v}, models, refused)
+    return Scores(out, fallbacks, {k: v for k, v in without.items() if v}, models, refused, customers.drift,
+                  drift_warnings)
 
 
 def _joint(top: torch.nn.Module, aggregation: Aggregation, customers: _Customers, names: list[str],

@@ -66,11 +66,12 @@ async def resume_training(session_id: str, c: BankCore = Depends(core)) -> JobSt
 
 @coordinator.post(control.SCORINGS, status_code=202, response_model=JobStatus)
 async def start_scoring(
-    request: Request, model: str, allow_missing: bool = False, c: BankCore = Depends(core)
+    request: Request, model: str, allow_missing: bool = False, accept_drift: bool = False,
+    c: BankCore = Depends(core),
 ) -> JobStatus:
     """Score the customers in the body (a CSV of IDs and the bank's own columns) with a trained model."""
     csv = await read_body(request, c.settings.max_body_bytes)
-    return c.start_scoring(model, csv, allow_missing).status()
+    return c.start_scoring(model, csv, allow_missing, accept_drift).status()
 
 
 @coordinator.get(control.SCORES)
@@ -91,11 +92,10 @@ def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The optimizers' first-use imports run beside the table's loading, before the service listens.
-        warm = threading.Thread(target=prepare_optimizers, name="prepare-optimizers")
-        warm.start()
+        # torch's first optimizer imports (about a second) run in the background: the service listens without
+        # waiting for them, and a session that starts sooner waits only for what is left of them.
+        threading.Thread(target=prepare_optimizers, name="prepare-optimizers", daemon=True).start()
         loaded = table or settings.load_table()
-        warm.join()
         app.state.core = BankCore(settings, loaded)
         try:
             yield

@@ -26,6 +26,7 @@ from parties.protocol.training import ModelFiles, PrivacyReport, TrainSessionInf
 from parties.settings import PartnerSettings
 from parties.storage.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.storage.files import atomic_write_text
+from parties.tables.drift import WARN_PSI, Drift
 from parties.tables.encoding import Fallbacks
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, save_alignment
 from partner.budget import PsiBudgets
@@ -55,6 +56,7 @@ class PartnerCore:
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self._training: dict[str, PartySession] = {}
         self.scoring_alignments: dict[str, np.ndarray] = {}
+        self._drifts: dict[tuple[str, str], Drift] = {}  # (model, scoring alignment) -> each column's drift
         self.models: dict[str, ScoringBottom] = {}
         # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
         # NoPeek shapes training only: scoring releases what the trained model computes.
@@ -63,7 +65,7 @@ class PartnerCore:
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         if request.version != PROTOCOL_VERSION:
             raise BadMessage(f"PSI protocol version {request.version}; this partner speaks {PROTOCOL_VERSION}")
-        check_id_types(self.table.id_type, request.id_type, "the bank")  # before any budget or blinding
+        check_id_types(self.table.id_type, request.id_type, "the partner", "the bank")  # before any budget or blinding
         self.budgets.charge(owner, request.count)  # before anything is blinded
         with self._lock:
             self._expire()
@@ -314,8 +316,10 @@ class PartnerCore:
             raise AlignmentMismatch(f"model {model_id} embeds {model.width} wide, the manifest says {width}")
         self.models[model_id] = model
 
-    def embed_for_scoring(self, model_id: str, alignment_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks]:
-        """Embeddings of the aligned rows at ``positions``, and per column the values that took a policy."""
+    def embed_for_scoring(self, model_id: str, alignment_id: str,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, Fallbacks, Drift]:
+        """Embeddings of the aligned rows at ``positions``, per column the values that took a policy, and per
+        column the drift of all the alignment's customers from the training rows (worked out once)."""
         model = self.models.get(model_id)
         if model is None:
             raise OutOfOrder(f"model {model_id} is not loaded")
@@ -332,7 +336,22 @@ class PartnerCore:
             logger.info("scoring release: ε spent on scoring so far %.2f", self.scoring_dp.epsilon())
         if fallbacks:
             logger.info("model %s: scoring rows took fallback policies: %s", model_id, fallbacks)
-        return z, fallbacks
+        return z, fallbacks, self._drift(model_id, alignment_id, model, rows)
+
+    def _drift(self, model_id: str, alignment_id: str, model: ScoringBottom, rows: np.ndarray) -> Drift:
+        key = (model_id, alignment_id)
+        with self._lock:
+            drift = self._drifts.get(key)
+        if drift is None:
+            drift = model.encoder.drift(self.table.features.iloc[rows])
+            moved = {c: v for c, v in drift.items() if v > WARN_PSI}
+            if moved:
+                logger.warning("model %s: the customers to score drift from the training rows: %s", model_id, moved)
+            with self._lock:
+                self._drifts[key] = drift
+                while len(self._drifts) > MAX_SCORING_ALIGNMENTS:
+                    self._drifts.pop(next(iter(self._drifts)))
+        return drift
 
     def _expire(self) -> None:
         now = time.monotonic()

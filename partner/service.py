@@ -184,8 +184,8 @@ async def load_model(model_id: str, body: scoring.LoadModelRequest, c: PartnerCo
 @models.post(scoring.EMBED)
 async def embed_for_scoring(model_id: str, request: Request, c: PartnerCore = Depends(core)) -> Response:
     wanted = scoring.ScoringRequest.decode(await _body(request, c))
-    z, fallbacks = await run_in_threadpool(c.embed_for_scoring, model_id, wanted.alignment, wanted.rows)
-    return _tensors(scoring.ScoringReply(model_id, z, fallbacks).encode())
+    z, fallbacks, drift = await run_in_threadpool(c.embed_for_scoring, model_id, wanted.alignment, wanted.rows)
+    return _tensors(scoring.ScoringReply(model_id, z, fallbacks, drift).encode())
 
 
 @admin.get(control.ADMIN_SESSIONS, response_model=control.SessionList)
@@ -213,11 +213,10 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The optimizers' first-use imports run beside the table's loading, before the service listens.
-        warm = threading.Thread(target=prepare_optimizers, name="prepare-optimizers")
-        warm.start()
+        # torch's first optimizer imports (about a second) run in the background: the service listens without
+        # waiting for them, and a session that starts sooner waits only for what is left of them.
+        threading.Thread(target=prepare_optimizers, name="prepare-optimizers", daemon=True).start()
         loaded = table or settings.load_table()
-        warm.join()
         app.state.core = PartnerCore(settings, loaded)
         try:
             yield

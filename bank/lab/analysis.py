@@ -185,6 +185,35 @@ def learning_curves(run: Run) -> Figure:
     return fig
 
 
+def test_rows_figure(run: Run) -> Figure:
+    """The test rows at a glance, as the task reads them: ROC and precision-recall curves (binary), predicted
+    against observed (regression), the confusion matrix (multiclass)."""
+    task = run.metrics.get("task", "binary")
+    if task == "binary":
+        return roc_pr_curves(run)
+    if task == "regression":
+        y, s = run.predictions["target"].to_numpy(), run.predictions["score"].to_numpy()
+        fig, ax = plt.subplots(figsize=(5, 4.5))
+        ax.scatter(y, s, s=8, alpha=0.5)
+        low, high = float(min(y.min(), s.min())), float(max(y.max(), s.max()))
+        ax.plot([low, high], [low, high], color="grey", linestyle=":")
+        ax.set(title=f"test rows: R² {run.metrics['test']['r2']:.3f}", xlabel="observed", ylabel="predicted")
+        fig.tight_layout()
+        return fig
+    scores = run.predictions[[c for c in run.predictions if c.startswith("score_")]]
+    classes = [c.removeprefix("score_") for c in scores.columns]
+    matrix = skm.confusion_matrix(run.predictions["target"].to_numpy(), scores.to_numpy().argmax(axis=1),
+                                  labels=list(range(len(classes))))
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.imshow(matrix, cmap="Blues")
+    for (i, j), count in np.ndenumerate(matrix):
+        ax.text(j, i, str(count), ha="center", va="center")
+    ax.set(title=f"test rows: accuracy {run.metrics['test']['accuracy']:.3f}", xlabel="predicted", ylabel="observed",
+           xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes)
+    fig.tight_layout()
+    return fig
+
+
 def roc_pr_curves(run: Run) -> Figure:
     """ROC and precision-recall curves on the held-out test rows."""
     y, s = run.predictions["target"].to_numpy(), run.predictions["score"].to_numpy()
@@ -208,9 +237,9 @@ def subset_table(run: Run) -> pd.DataFrame:
     rows = []
     for subset, info in run.metrics.get("subsets", {}).items():
         for group, figures in info["held_out"].items():
+            shown = ("roc_auc", "pr_auc", "brier", "mean_score", "observed_rate", "accuracy", "log_loss", "r2", "rmse")
             rows.append({"parties": subset, "model": info["model"], "held_out": group, "rows": figures["rows"],
-                         **{k: figures.get(k, np.nan) for k in ("roc_auc", "pr_auc", "brier", "mean_score",
-                                                                "observed_rate")}})
+                         **{k: figures.get(k, np.nan) for k in shown}, "note": figures.get("note", "")})
     return pd.DataFrame(rows)
 
 
@@ -332,12 +361,12 @@ def cut_study(run: Run) -> dict[str, Any] | None:
 
 
 def write_report(run: Run, *, references: bool = True, audit: bool = True, seed: int = 0,
-                 partition: Path | None = None) -> dict[str, Any]:
+                 partition: Path | dict[str, Path] | None = None) -> dict[str, Any]:
     """Compute every table and figure, save them under ``<run>/analysis/``, return them by name.
 
-    ``partition``: the folder ``python -m data partition`` wrote, for the references and the audit's
-    targets (default: the walkthrough's ``<run>/data``). Without one the references are left out, and
-    ``notes`` says so.
+    ``partition``: where every party's file is, for the references and the audit's targets: the folder
+    ``python -m data partition`` wrote, or each party's own file by name (default: the walkthrough's
+    ``<run>/data``). Without them the references are left out, and ``notes`` says so.
     """
     from bank.lab.audit import inversion_probe, label_leakage
     from bank.lab.references import NoPartition, reference_models
@@ -349,7 +378,9 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
         "party_times": party_times(run),
         "subsets": subset_table(run),
     }
-    figures: dict[str, Figure] = {"learning_curves": learning_curves(run), "roc_pr": roc_pr_curves(run)}
+    figures: dict[str, Figure] = {"learning_curves": learning_curves(run),
+                                  ("roc_pr" if run.metrics.get("task", "binary") == "binary" else "test_rows"):
+                                  test_rows_figure(run)}
     reliability = reliability_figure(run)
     if reliability is not None:
         figures["reliability"] = reliability
@@ -360,7 +391,9 @@ def write_report(run: Run, *, references: bool = True, audit: bool = True, seed:
         except NoPartition as exc:
             notes.append(f"references left out: {exc}")
         else:
-            figures["comparison"] = _bar(tables["comparison"], "model", "test_roc_auc", "test ROC-AUC, same rows")
+            headline = tables["comparison"].columns[2]  # the task's first metric: test_roc_auc, test_accuracy, test_r2
+            figures["comparison"] = _bar(tables["comparison"], "model", headline,
+                                         f"{headline.removeprefix('test_')}, test rows of the run")
     if audit and run.config.get("audit") and not run.audit_dir.exists():
         raise DataError(f"{run.audit_dir}: missing, though the run was trained with --audit")
     if audit and run.audit_dir.exists():

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 from pydantic import ValidationError
 
-from bank.config import TrainingConfig
+from bank.config import MAX_AUTO_BATCH, TrainingConfig
 from bank.lab.unsplit import UnsplitModel
 from bank.lab.wire_floor import measure_wire_floor
 from bank.operator import BankOperator
@@ -163,8 +163,8 @@ def run_training_bench(
     if epochs < 1 or rounds < 1:
         raise ConfigError(f"the bench needs at least one round of one epoch (got {rounds} of {epochs})")
     try:
-        config = TrainingConfig(epochs=epochs, patience=epochs + 1,
-                                **({"batch_size": batch_size} if batch_size is not None else {}),
+        # The batch its figures were measured at, on slices too: per-step costs are what it compares.
+        config = TrainingConfig(epochs=epochs, patience=epochs + 1, batch_size=batch_size or MAX_AUTO_BATCH,
                                 **({"wire_precision": wire_precision} if wire_precision is not None else {}))
     except ValidationError as exc:
         problem = exc.errors()[0]

@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from bank.config import TopConfig, TrainingConfig
+from bank.config import MAX_AUTO_BATCH, TopConfig, TrainingConfig
 from bank.lab.privacy_study import Federation, measure
 from bank.schedule import split_rows
 from data.prepare import prepare_bank_marketing
@@ -166,7 +166,9 @@ def run_cut_study(
     for k, point in enumerate(grid, start=1):
         if progress is not None:
             progress(f"{k}/{len(grid)} {point.name}")
-        training = TrainingConfig(epochs=epochs, audit=True, top=TopConfig(hidden=point.top_hidden))
+        # The batch the study's figures were measured at, whatever the slice (the product's adapts to the table).
+        training = TrainingConfig(epochs=epochs, audit=True, top=TopConfig(hidden=point.top_hidden),
+                                  batch_size=MAX_AUTO_BATCH)
         partner_bottom = BottomConfig(hidden=point.partner_hidden, cut_width=point.cut_width, seed=1)
         started = time.perf_counter()
         measured = measure(fed, training, partner_bottom=partner_bottom, known_labels=known_labels)

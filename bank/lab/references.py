@@ -18,28 +18,35 @@ import numpy as np
 import pandas as pd
 import torch
 from sklearn import metrics as skm
-from sklearn.ensemble import HistGradientBoostingClassifier
-from sklearn.linear_model import LogisticRegression
+from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+from sklearn.linear_model import LogisticRegression, Ridge
 
 from bank.config import TopConfig
 from bank.lab.analysis import Run
 from bank.lab.unsplit import UnsplitModel
 from bank.task import Task
 from bank.trainer import epoch_batches
-from parties.errors import DataError
+from parties.errors import ConfigError, DataError
 from parties.learning.model import BottomConfig
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import load_party_table
 
-__all__ = ["NoPartition", "fit_unsplit", "joined_features", "reference_models"]
+__all__ = ["NoPartition", "PartyFiles", "fit_unsplit", "joined_features", "reference_models"]
 
 
 class NoPartition(DataError):
     """No partition folder with every party's file: references (a simulation's privilege) cannot be computed."""
 
 
-def _party_files(run: Run, partition: Path | None) -> tuple[str, dict[str, Path]]:
-    """The label party's name and every party's file, from a partition folder's ``partition.json``."""
+#: Where every party's file is: a folder ``python -m data partition`` wrote (its ``partition.json`` names them),
+#: each party's own file by name (pre-split files), or ``None`` for the walkthrough's ``<run>/data``.
+PartyFiles = Path | dict[str, Path] | None
+
+
+def _party_files(run: Run, partition: PartyFiles) -> tuple[str, dict[str, Path]]:
+    """The label party's name and every party's file: named one by one, or from a partition folder."""
+    if isinstance(partition, dict):
+        return _named_files(run, partition)
     folder = Path(partition) if partition is not None else run.path / "data"
     manifest = folder / "partition.json"
     if not manifest.exists():
@@ -54,7 +61,21 @@ def _party_files(run: Run, partition: Path | None) -> tuple[str, dict[str, Path]
     return label_party, files
 
 
-def joined_features(run: Run, partition: Path | None = None
+def _named_files(run: Run, files: dict[str, Path]) -> tuple[str, dict[str, Path]]:
+    """The files named per party (``--party-file NAME=FILE``): one for each of the run's parties, no other."""
+    bank, *partners = run.metrics["embedding_widths"]
+    missing = [n for n in (bank, *partners) if n not in files]
+    unknown = sorted(set(files) - {bank, *partners})
+    if missing or unknown:
+        raise ConfigError(f"--party-file: the run's parties are the bank {bank!r} and the partners {partners}; "
+                          + (f"give a file for {missing}" if missing else f"{unknown} took no part in it"))
+    for name, path in files.items():
+        if not Path(path).is_file():
+            raise DataError(f"{path}: {name}'s file (--party-file) does not exist")
+    return bank, {name: Path(path) for name, path in files.items()}
+
+
+def joined_features(run: Run, partition: PartyFiles = None
                     ) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
     """Each party's encoded columns for the run's aligned rows (in the run's order), the targets, the splits.
 
@@ -86,9 +107,13 @@ def joined_features(run: Run, partition: Path | None = None
     return features, targets, splits
 
 
-def _scores(name: str, features: str, y: np.ndarray, s: np.ndarray) -> dict[str, object]:
-    return {"model": name, "features": features, "test_roc_auc": skm.roc_auc_score(y, s),
-            "test_pr_auc": skm.average_precision_score(y, s)}
+#: The test metrics a comparison shows, per task.
+COMPARED = {"binary": ("roc_auc", "pr_auc"), "multiclass": ("accuracy", "log_loss"), "regression": ("r2", "rmse")}
+
+
+def _scores(task: Task, name: str, features: str, y: np.ndarray, s: np.ndarray) -> dict[str, object]:
+    figures = task.metrics(torch.from_numpy(y), s)
+    return {"model": name, "features": features, **{f"test_{m}": figures[m] for m in COMPARED[task.kind]}}
 
 
 def _partner_bottom(run: Run, name: str) -> BottomConfig:
@@ -141,34 +166,43 @@ def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.n
         return task.scores(model.eval()(test))
 
 
-def reference_models(run: Run, seed: int = 0, partition: Path | None = None) -> pd.DataFrame:
-    """Test ROC-AUC and PR-AUC of the split model and its references, on the run's own test rows.
+def reference_models(run: Run, seed: int = 0, partition: PartyFiles = None) -> pd.DataFrame:
+    """The split model and its references on the run's own test rows: the task's headline test metrics.
 
-    ``partition``: the folder ``python -m data partition`` wrote (default: the walkthrough's ``<run>/data``).
-    The unsplit MLP needs every partner's bottom configuration: it is left out when the run folder lacks
-    a partner's model files (a run trained by separate services keeps them with each partner).
+    ``partition``: where every party's file is (``PartyFiles``). The unsplit MLP (binary runs) needs every
+    partner's bottom configuration: it is left out when the run folder lacks a partner's model files (a run
+    trained by separate services keeps them with each partner).
     """
-    if run.metrics["task"] != "binary":
-        raise NoPartition(f"reference models are implemented for binary tasks, not {run.metrics['task']}")
+    task = Task.from_dict(json.loads((run.bank_run_dir / "model" / "task.json").read_text()))
     features, y, splits = joined_features(run, partition)
     train, test = splits["train"], splits["test"]
     everything = np.hstack(list(features.values()))
+    metrics = COMPARED[task.kind]
     rows = [{"model": "split model (this run)", "features": "all parties",
-             "test_roc_auc": run.metrics["test"]["roc_auc"], "test_pr_auc": run.metrics["test"]["pr_auc"]}]
-    bank_only = run.metrics.get("subsets", {}).get("bank", {}).get("held_out", {}).get("aligned test, partners withheld")
-    if bank_only is not None:  # what scores customers no partner holds, trained on unaligned customers as well
+             **{f"test_{m}": run.metrics["test"][m] for m in metrics}}]
+    bank_name = next(iter(run.metrics.get("embedding_widths", {"bank": 0})))
+    bank_only = run.metrics.get("subsets", {}).get(bank_name, {}).get("held_out", {}).get("aligned test, partners withheld")
+    if bank_only is not None and "note" not in bank_only:  # trained on unaligned customers as well
         rows.append({"model": "bank-only model (this run)", "features": "bank",
-                     "test_roc_auc": bank_only["roc_auc"], "test_pr_auc": bank_only["pr_auc"]})
-    hgb = HistGradientBoostingClassifier(random_state=seed)
-    rows.append(_scores("bank only: HistGradientBoosting", "bank", y[test],
-                        hgb.fit(features["bank"][train], y[train]).predict_proba(features["bank"][test])[:, 1]))
-    lr = LogisticRegression(max_iter=2000)
-    rows.append(_scores("centralised: logistic regression", "all parties", y[test],
-                        lr.fit(everything[train], y[train]).predict_proba(everything[test])[:, 1]))
-    hgb = HistGradientBoostingClassifier(random_state=seed)
-    rows.append(_scores("centralised: HistGradientBoosting", "all parties", y[test],
-                        hgb.fit(everything[train], y[train]).predict_proba(everything[test])[:, 1]))
-    if all((run.model_dir(name) / "bottom-config.json").exists() for name in features if name != "bank"):
-        rows.append(_scores("centralised: unsplit MLP (same architecture)", "all parties", y[test],
+                     **{f"test_{m}": bank_only[m] for m in metrics}})
+    if task.kind == "regression":
+        gbm, linear, named = HistGradientBoostingRegressor, Ridge, "linear regression"
+        predict = lambda model, x: model.predict(x)  # noqa: E731
+    else:
+        gbm, linear, named = HistGradientBoostingClassifier, lambda: LogisticRegression(max_iter=2000), "logistic regression"
+        classes = np.arange(task.output_dim if task.kind == "multiclass" else 2)
+
+        def predict(model, x):  # every class's probability, in the task's order, also for classes absent in training
+            proba = np.zeros((len(x), len(classes)))
+            proba[:, model.classes_.astype(int)] = model.predict_proba(x)
+            return proba[:, 1] if task.kind == "binary" else proba
+    for name, cols, model in (("bank only: HistGradientBoosting", "bank", gbm(random_state=seed)),
+                              (f"centralised: {named}", "all parties", linear()),
+                              ("centralised: HistGradientBoosting", "all parties", gbm(random_state=seed))):
+        x = features["bank"] if cols == "bank" else everything
+        rows.append(_scores(task, name, cols, y[test], predict(model.fit(x[train], y[train]), x[test])))
+    partners_saved = all((run.model_dir(name) / "bottom-config.json").exists() for name in features if name != "bank")
+    if task.kind == "binary" and partners_saved:
+        rows.append(_scores(task, "centralised: unsplit MLP (same architecture)", "all parties", y[test],
                             _unsplit_mlp(run, features, y, splits)))
     return pd.DataFrame(rows)

@@ -19,6 +19,7 @@ from parties.errors import BadMessage
 from parties.protocol.common import Message
 from parties.protocol.training import checked
 from parties.protocol.wire import decode, encode
+from parties.tables.drift import Drift, parse_drift
 from parties.tables.encoding import Fallbacks, parse_fallbacks
 
 __all__ = ["EMBED", "LOAD", "LoadModelRequest", "ScoringReply", "ScoringRequest"]
@@ -56,23 +57,27 @@ class ScoringRequest:
 
 @dataclass(frozen=True)
 class ScoringReply:
-    """The embeddings, and per column the count of values that took a policy (unseen, missing)."""
+    """The embeddings, per column the count of values that took a policy (unseen, missing), and per column
+    the drift of every customer of the scoring alignment from the training rows (``parties.tables.drift``;
+    empty under its minimum of rows)."""
 
     TENSORS: ClassVar[dict[str, torch.dtype]] = {"embedding": torch.float32}
     model: str
     embedding: torch.Tensor | None
     fallbacks: Fallbacks = field(default_factory=dict)
+    drift: Drift = field(default_factory=dict)
 
     def encode(self) -> bytes:
         tensors = {} if self.embedding is None else {"embedding": self.embedding}
-        return encode(tensors, model=self.model, fallbacks=json.dumps(self.fallbacks))
+        return encode(tensors, model=self.model, fallbacks=json.dumps(self.fallbacks), drift=json.dumps(self.drift))
 
     @classmethod
     def decode(cls, body: bytes) -> ScoringReply:
-        """Raises ``BadMessage`` for unusable fallback counts too."""
+        """Raises ``BadMessage`` for unusable fallback counts or drift figures too."""
         message = decode(body, cls.TENSORS)
         try:
             fallbacks = parse_fallbacks(message.meta.get("fallbacks", ""))
+            drift = parse_drift(message.meta.get("drift", ""))
         except ValueError as exc:
-            raise BadMessage(f"unusable fallback counts: {exc}") from exc
-        return cls(message.meta.get("model", ""), message.get("embedding"), fallbacks)
+            raise BadMessage(f"unusable scoring figures: {exc}") from exc
+        return cls(message.meta.get("model", ""), message.get("embedding"), fallbacks, drift)

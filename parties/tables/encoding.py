@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from parties.errors import DataError
+from parties.tables.drift import Drift, fit_profile, stability
 from parties.tables.schema import POLICIES, FeatureSchema
 
 __all__ = ["Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
@@ -75,6 +76,9 @@ class TabularEncoder:
     categories_: dict[str, list[str]] = field(default_factory=dict)
     means_: dict[str, float] = field(default_factory=dict)
     scales_: dict[str, float] = field(default_factory=dict)
+    #: each column's distribution on the training rows, for drift at scoring (``parties.tables.drift``);
+    #: empty for an encoder saved before profiles existed
+    profile_: dict[str, Any] = field(default_factory=dict)
 
     def fit(self, frame: pd.DataFrame) -> TabularEncoder:
         if frame.empty:
@@ -86,9 +90,18 @@ class TabularEncoder:
             self.means_[col] = float(np.nanmean(values))
             std = float(np.nanstd(values))
             self.scales_[col] = std if std > 0 else 1.0
-        for col in self.schema.categorical:
-            self.categories_[col] = sorted(category_text(frame[col]).unique().tolist())
+        texts = {col: category_text(frame[col]) for col in self.schema.categorical}
+        for col, text in texts.items():
+            self.categories_[col] = sorted(text.unique().tolist())
+        self.profile_ = fit_profile(frame, self.schema.numeric, texts)
         return self
+
+    def drift(self, frame: pd.DataFrame) -> Drift:
+        """Each column's population stability index on ``frame`` against the training rows (``{}``: too few
+        rows, or an encoder without a profile)."""
+        if not self.profile_:
+            return {}
+        return stability(self.profile_, frame, {col: category_text(frame[col]) for col in self.schema.categorical})
 
     @property
     def width(self) -> int:
@@ -147,12 +160,14 @@ class TabularEncoder:
             "categories": self.categories_,
             "means": self.means_,
             "scales": self.scales_,
+            "profile": self.profile_,
         }
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> TabularEncoder:
         schema = FeatureSchema(tuple(state["numeric"]), tuple(state["categorical"]))
-        return cls(schema, dict(state["categories"]), dict(state["means"]), dict(state["scales"]))
+        return cls(schema, dict(state["categories"]), dict(state["means"]), dict(state["scales"]),
+                   dict(state.get("profile") or {}))
 
 
 def merge_fallbacks(total: Fallbacks, more: Fallbacks) -> Fallbacks:

@@ -20,9 +20,13 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:  # the settings read IdType for --help: no pandas for that
+    import pandas as pd
 
 __all__ = ["ID_TYPES", "IdType", "canonical_ids", "id_formats", "infer_id_type", "normalize_id"]
 
@@ -75,19 +79,25 @@ def _format(raw: str) -> str:
     return "text"
 
 
-def id_formats(raw: Iterable[str]) -> dict[str, int]:
+def id_formats(raw: pd.Series) -> dict[str, int]:
     """How many IDs are written in each format (``FORMATS``); white space around an ID counts apart too."""
-    counts: Counter[str] = Counter()
-    for value in raw:
+    stripped = raw.str.strip()
+    plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool)
+    digits = stripped.str.fullmatch(_DIGITS.pattern).to_numpy(dtype=bool)
+    number = stripped.str.fullmatch(_NUMBER.pattern).to_numpy(dtype=bool)
+    counts: Counter[str] = Counter({"plain integer": int(plain.sum()), "zero-padded integer": int((digits & ~plain).sum()),
+                                    "text": int((~number).sum()),
+                                    "with surrounding white space": int((raw != stripped).sum())})
+    for value in stripped[number & ~digits]:  # signs, points, exponents: rare, so told apart one by one
         counts[_format(value)] += 1
-        if value != value.strip():
-            counts["with surrounding white space"] += 1
     return {f: counts[f] for f in FORMATS if counts[f]}
 
 
-def infer_id_type(raw: Iterable[str]) -> IdType:
+def infer_id_type(raw: pd.Series) -> IdType:
     """``integer`` when every ID writes a whole number, else ``text``."""
-    return "integer" if all(_integer(v.strip()) is not None for v in raw) else "text"
+    stripped = raw.str.strip()
+    digits = stripped.str.fullmatch(_DIGITS.pattern).to_numpy(dtype=bool)
+    return "integer" if all(_integer(v) is not None for v in stripped[~digits]) else "text"
 
 
 class IdError(ValueError):
@@ -98,26 +108,26 @@ class IdError(ValueError):
         self.count, self.first, self.what = count, first, what
 
 
-def canonical_ids(raw: Sequence[str], id_type: IdType) -> list[bytes]:
+def canonical_ids(raw: pd.Series, id_type: IdType) -> list[bytes]:
     """Every ID's canonical bytes under ``id_type``; ``IdError`` for IDs that are not of that type."""
+    stripped = raw.str.strip()
     if id_type == "text":
-        return [normalize_id(v) for v in raw]
-    out: list[bytes] = []
+        return stripped.str.normalize("NFC").str.encode("utf-8").tolist()
+    plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool)
+    out = stripped.str.encode("ascii", errors="replace").tolist() if plain.all() else stripped.tolist()
+    if plain.all():  # nearly every clean column: nothing to parse
+        return out
     bad: list[int] = []
     fractions = 0
-    for pos, value in enumerate(raw):
-        text = value.strip()
-        if _PLAIN.fullmatch(text):  # nearly every ID of a clean column: no parsing at all
-            out.append(text.encode("ascii"))
-            continue
-        number = _integer(text)
+    for pos in np.flatnonzero(~plain):
+        number = _integer(out[pos])
         if number is None:
-            bad.append(pos)
-            fractions += _NUMBER.fullmatch(text) is not None
-            continue
-        out.append(str(number).encode("ascii"))
+            bad.append(int(pos))
+            fractions += _NUMBER.fullmatch(out[pos]) is not None
+        else:
+            out[pos] = str(number)
     if bad:
         what = ("IDs that are numbers with a fraction, not integers" if fractions == len(bad) else
                 "IDs that are not integers" + (f" ({fractions} with a fraction)" if fractions else ""))
         raise IdError(len(bad), bad[0], what)
-    return out
+    return [v.encode("ascii") for v in out]

@@ -13,12 +13,15 @@ a missing number as the training mean; scoring counts every value that took one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from parties.errors import DataError
@@ -26,7 +29,7 @@ from parties.learning.config import TaskKind
 from parties.storage.files import atomic_write_text
 from parties.tables.ids import IdType
 
-__all__ = ["DEFAULT_ID_COLUMN", "DEFAULT_LABEL", "POLICIES", "FeatureSchema", "PartySchema", "file_row", "infer_kinds",
+__all__ = ["DEFAULT_ID_COLUMN", "DEFAULT_LABEL", "POLICIES", "FeatureSchema", "PartySchema", "file_row", "infer_kinds", "parse_numbers",
            "read_schema", "sidecar_path"]
 
 DEFAULT_ID_COLUMN = "customer_id"
@@ -94,11 +97,30 @@ def read_schema(path: Path) -> PartySchema | None:
         raise DataError(f"{path}: not a valid schema file ({problems})") from exc
 
 
+def parse_numbers(text: pd.Series) -> pd.Series:
+    """A column of text as float64, NaN where a value is empty or not a number (as ``pd.to_numeric`` reads it).
+
+    Fast where it can be: a column of plain numbers is cast by Arrow (correctly rounded, as pandas parses them,
+    in a tenth of the time); any other column is parsed one distinct value at a time, and a column of
+    categories has few.
+    """
+    try:
+        values = pc.utf8_trim_whitespace(pa.array(text, from_pandas=True))  # no copy of an Arrow-backed column
+        values = pc.if_else(pc.equal(values, ""), pa.scalar(None, values.type), values)
+        return pd.Series(pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False), index=text.index)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        codes, uniques = pd.factorize(text.str.strip())
+        parsed = pd.to_numeric(pd.Series(uniques, dtype=object), errors="coerce").to_numpy(dtype=np.float64)
+        return pd.Series(np.append(parsed, np.nan)[codes], index=text.index)
+
+
 def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Sequence[str] = (),
-                numeric: Sequence[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+                numeric: Sequence[str] = (), numbers: Callable[[str], pd.Series] | None = None,
+                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(numeric, categorical): a column is numeric when every value present parses as a number, unless overridden.
 
     Integer codes (a sex, a status, a region code) parse as numbers; name them with ``categorical``.
+    ``numbers``: a column's values parsed as numbers (NaN where they are not), if the caller keeps them.
     """
     unknown = sorted((set(categorical) | set(numeric)) - set(columns))
     if unknown:
@@ -114,7 +136,7 @@ def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Seq
             kinds[col] = "numeric"
         else:
             text = frame[col].astype(str).str.strip()
-            present = text[text != ""]  # a missing value says nothing about the column's kind
-            parsed = pd.to_numeric(present, errors="coerce")
-            kinds[col] = "numeric" if len(present) and parsed.notna().all() else "categorical"
+            present = (text != "").to_numpy()  # a missing value says nothing about the column's kind
+            parsed = numbers(col) if numbers is not None else parse_numbers(text)
+            kinds[col] = "numeric" if present.any() and parsed[present].notna().all() else "categorical"
     return (tuple(c for c in columns if kinds[c] == "numeric"), tuple(c for c in columns if kinds[c] == "categorical"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from parties.tables.schema import (
     PartySchema,
     file_row,
     infer_kinds,
+    parse_numbers,
     read_schema,
     sidecar_path,
 )
@@ -166,7 +167,7 @@ def load_party_table(
     inferred = id_type is None
     id_type = id_type or infer_id_type(raw_ids)
     try:
-        normalized = canonical_ids(raw_ids.tolist(), id_type)
+        normalized = canonical_ids(raw_ids, id_type)
     except IdError as exc:
         raise DataError(f"{path}: column {id_column!r} holds {exc.count} {exc.what}, "
                         f"first at row {_row(exc.first)}; its IDs are declared integer (id_type in "
@@ -187,30 +188,41 @@ def load_party_table(
             raise DataError(
                 f"{path}: column {label_column!r} has no label at row {_row(int(missing.to_numpy().argmax()))}"
             )
-        task = check_labels(labels, task or (declared.task if declared else None), label_column, path)
+        declared_task = task or (declared.task if declared else None)
+        task = check_labels(labels, declared_task, label_column, path)
+        logger.info("%s: label %r is %s (%s), %d distinct values", path.name, label_column, task,
+                    "declared" if declared_task else "inferred; --task on serve or 'task' in the schema file to "
+                    "choose", labels.nunique())
 
     feature_cols = [c for c in columns if c not in (id_column, label_column)]
+    parsed: dict[str, pd.Series] = {}
+
+    def numbers(col: str) -> pd.Series:  # each column parsed once, whether to infer its kind or to read it
+        if col not in parsed:
+            parsed[col] = parse_numbers(frame[col])
+        return parsed[col]
+
     if schema is None:
-        schema = _feature_schema(path, sidecar_file, declared, frame, feature_cols, categorical, numeric)
+        schema = _feature_schema(path, sidecar_file, declared, frame, feature_cols, categorical, numeric, numbers)
     else:
         absent = [c for c in schema.columns if c not in frame.columns]
         if absent:
             raise DataError(f"{path}: the model needs the columns {absent} (columns: {', '.join(columns)})")
     features = frame[list(schema.columns)].copy()
     for col in schema.numeric:
-        text = features[col].str.strip()
-        parsed = pd.to_numeric(text, errors="coerce")
-        empty = (text == "").to_numpy()
-        kinds = {"empty": empty & ~missing_numbers, "text": parsed.isna().to_numpy() & ~empty,
-                 "infinite": np.isinf(parsed.to_numpy(dtype=np.float64))}
+        values = numbers(col)
+        empty = (features[col].str.strip() == "").to_numpy()
+        kinds = {"empty": empty & ~missing_numbers, "text": values.isna().to_numpy() & ~empty,
+                 "infinite": np.isinf(values.to_numpy(dtype=np.float64, na_value=np.nan))}
         bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
         if bad:
             problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
                                  for kind, mask in bad.items())
             raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
                             f"{problems}")
-        features[col] = parsed.astype("float64")
-    logger.info("loaded %s: %d rows, %d feature columns", path.name, len(frame), len(schema.columns))
+        features[col] = values.astype("float64")
+    logger.info("loaded %s: %d rows, %d feature columns, %s IDs (%s)", path.name, len(frame), len(schema.columns),
+                id_type, "inferred" if inferred else "declared")
     for col in schema.numeric:
         missing = int(features[col].isna().sum())
         if missing:
@@ -219,7 +231,7 @@ def load_party_table(
     return PartyTable(
         path=path,
         id_column=id_column,
-        ids=tuple(raw_ids),
+        ids=tuple(raw_ids.tolist()),
         features=features,
         schema=schema,
         labels=labels,
@@ -231,20 +243,22 @@ def load_party_table(
 
 
 def _check_unique(path: Path, column: str, id_type: IdType, normalized: list[bytes]) -> None:
-    seen: dict[bytes, int] = {}
-    for pos, key in enumerate(normalized):
-        if key in seen:
-            rule = ("as integers: 12, 12.0 and 0012 are one ID" if id_type == "integer" else
-                    "after stripping white space and Unicode NFC")
-            raise DataError(f"{path}: column {column!r} has duplicate IDs (rows {_row(seen[key])} and {_row(pos)}, "
-                            f"{rule})")
-        seen[key] = pos
+    keys = pd.Series(normalized, dtype=object)
+    repeated = keys.duplicated().to_numpy()
+    if repeated.any():
+        later = int(repeated.argmax())
+        first = int((keys.iloc[:later] == keys.iloc[later]).to_numpy().argmax())
+        rule = ("as integers: 12, 12.0 and 0012 are one ID" if id_type == "integer" else
+                "after stripping white space and Unicode NFC")
+        raise DataError(f"{path}: column {column!r} has duplicate IDs (rows {_row(first)} and {_row(later)}, {rule})")
 
 
 def _feature_schema(path: Path, sidecar: Path, declared: PartySchema | None, frame: pd.DataFrame,
-                    feature_cols: list[str], categorical: Sequence[str], numeric: Sequence[str]) -> FeatureSchema:
+                    feature_cols: list[str], categorical: Sequence[str], numeric: Sequence[str],
+                    numbers: Callable[[str], pd.Series]) -> FeatureSchema:
     if declared is None:
-        return FeatureSchema(*infer_kinds(frame, feature_cols, categorical=categorical, numeric=numeric))
+        return FeatureSchema(*infer_kinds(frame, feature_cols, categorical=categorical, numeric=numeric,
+                                          numbers=numbers))
     for col in declared.numeric + declared.categorical:
         if col not in frame.columns:
             raise DataError(f"{path}: column {col!r} named in {sidecar.name} is missing from the file")
