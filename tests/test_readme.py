@@ -127,3 +127,52 @@ def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Pa
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f"{a.name} differs"
     pd.testing.assert_frame_equal(pd.read_csv(by_hand_run / "test_predictions.csv"),
                                   pd.read_csv(walkthrough_run / "test_predictions.csv"), check_exact=True)
+
+
+def _own_data_block() -> str:
+    section = README[README.index("## Your own data"):]
+    return _bash_blocks(section)[0]
+
+
+def test_the_own_data_flow_as_written_runs_on_pre_split_files(tmp_path: Path) -> None:
+    """The README's "Your own data" commands as written, on a bank's and a partner's files made the way two
+    organisations hold them (generic column names, integer IDs), free ports for its fixed ones."""
+    from tests.test_own_files import write_pair
+
+    write_pair(tmp_path, "binary", rows=1200)
+    ports = {"8450": str(_free_port()), "8451": str(_free_port())}
+    services: list[subprocess.Popen[bytes]] = []
+    model_id = None
+    try:
+        for argv in _commands(_own_data_block()):
+            assert argv[:2] == ["python", "-m"], argv
+            argv = [sys.executable, "-m", *(re.sub(r"\b(8450|8451)\b", lambda m: ports[m.group(1)], a) for a in argv[2:])]
+            if model_id is not None:
+                argv = [a.replace("MODEL_ID", model_id) for a in argv]
+            module, command = argv[2], argv[3]
+            if command == "serve":
+                ready = tmp_path / f"{module}.ready"
+                log = (tmp_path / f"{module}.log").open("wb")
+                services.append(subprocess.Popen([*argv, "--workers", "1", "--ready-file", str(ready)], cwd=tmp_path,
+                                                 stdout=log, stderr=subprocess.STDOUT))
+                deadline = time.monotonic() + 120
+                while not ready.exists():
+                    assert services[-1].poll() is None, (tmp_path / f"{module}.log").read_text()[-3000:]
+                    assert time.monotonic() < deadline, f"{module} did not start"
+                    time.sleep(0.05)
+                continue
+            run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+            if (module, command) == ("bank", "train"):
+                model_id = re.search(r"^model id: (\w+)$", run.stdout, flags=re.M).group(1)
+            if (module, command) == ("bank", "align"):
+                assert "partner: 1,200 of the bank's 1,200 customers matched (100.0%)" in run.stderr
+    finally:
+        for proc in services:
+            proc.terminate()
+            proc.wait(30)
+    assert model_id is not None
+    scores = pd.read_csv(tmp_path / "scores.csv")
+    assert len(scores) == 1200 and (scores["status"] == "scored").all()
+    comparison = pd.read_csv(tmp_path / "cutlayer-state" / "lender" / "runs" / model_id / "analysis" / "comparison.csv")
+    assert "split model (this run)" in set(comparison["model"])
