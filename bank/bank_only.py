@@ -19,9 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import skops.io as sio
 import torch
-from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
 
 from bank.task import Task
 from parties.errors import DataError
@@ -55,6 +53,8 @@ class BankOnlyModel:
         if self.task.kind != "regression" and len(np.unique(y)) < 2:
             raise DataError("the bank-only model needs training customers of at least two classes")
         self.encoder_ = TabularEncoder(schema).fit(features)
+        from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor  # here, not at the top: scikit-learn takes 1.4 s of a bank's start-up
+
         kind = HistGradientBoostingRegressor if self.task.kind == "regression" else HistGradientBoostingClassifier
         self.estimator_ = kind(random_state=self.seed).fit(self.encoder_.transform(features), y)
         return self
@@ -73,6 +73,8 @@ class BankOnlyModel:
 
     def save(self, folder: Path) -> dict[str, str]:
         """Write the model's files; return their SHA-256 (for the manifest)."""
+        import skops.io as sio  # here, not at the top: importing it takes two seconds of every bank's start-up
+
         blobs = {"encoder.json": json.dumps(self.encoder_.to_dict(), indent=2).encode(),
                  "model.skops": sio.dumps(self.estimator_)}
         for name, blob in blobs.items():
@@ -82,6 +84,8 @@ class BankOnlyModel:
     @classmethod
     def load(cls, folder: Path, expected: dict[str, str], task: Task) -> BankOnlyModel:
         """The model saved in ``folder``, each file checked against the manifest's digest first."""
+        import skops.io as sio  # here, not at the top: importing it takes two seconds of every bank's start-up
+
         blobs = verify_files(folder, expected, BANK_ONLY_FILES)
         untrusted = set(sio.get_untrusted_types(data=blobs["model.skops"]))
         if untrusted - TRUSTED:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 
 from bank.config import TrainingConfig
 from bank.task import Task
@@ -27,6 +26,8 @@ class Split:
 
 def split_rows(n: int, targets: torch.Tensor, task: Task, config: TrainingConfig) -> Split:
     """A seeded train/validation/test split of the aligned positions, stratified by label."""
+    from sklearn.model_selection import train_test_split  # here, not at the top: scikit-learn takes 1.4 s of a bank's start-up
+
     positions = np.arange(n)
     labels = targets.numpy() if task.stratify else None
     try:

@@ -87,6 +87,15 @@ async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.jobs.get(job_id).status()
 
 
+def _warm_up() -> None:
+    """What a bank's first training would otherwise wait for: torch's optimizers and scikit-learn (split,
+    metrics, the bank-only model), imported after the service listens."""
+    prepare_optimizers()
+    import sklearn.ensemble  # noqa: F401
+    import sklearn.metrics  # noqa: F401
+    import sklearn.model_selection  # noqa: F401
+
+
 def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastAPI:
     """The bank service: loads its own table (with labels) at start-up, coordinates the partners."""
 
@@ -94,7 +103,7 @@ def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastA
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # torch's first optimizer imports (about a second) run in the background: the service listens without
         # waiting for them, and a session that starts sooner waits only for what is left of them.
-        threading.Thread(target=prepare_optimizers, name="prepare-optimizers", daemon=True).start()
+        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
         loaded = table or settings.load_table()
         app.state.core = BankCore(settings, loaded)
         try:

@@ -37,7 +37,10 @@ _INTEGRAL = re.compile(r"^([+-]?\d+)\.0*$")
 
 def label_text(labels: pd.Series) -> pd.Series:
     """Labels read as text, one spelling per value: stripped, and ``1.0`` written ``1`` (as categories are)."""
-    return labels.astype(str).str.strip().str.replace(_INTEGRAL, r"\1", regex=True)
+    # One distinct value at a time: a label column has few, and the rule then costs nothing per row.
+    codes, uniques = pd.factorize(labels.astype(str), use_na_sentinel=False)
+    text = [_INTEGRAL.sub(r"\1", str(u).strip()) for u in uniques]
+    return pd.Series(np.asarray(text, dtype=object)[codes], index=labels.index, dtype="str", name=labels.name)
 
 
 def _numbers(labels: pd.Series) -> pd.Series:
