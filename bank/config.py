@@ -99,6 +99,11 @@ class TrainingConfig(BaseModel):
         False, description="also score the test rows after every epoch (history column test_<metric>; never "
         "used to choose anything): learning curves and time-to-target figures",
     )
+    defense_seed: int | None = Field(
+        None, description="pin the bank's protective noise (label DP, gradient noise, Marvell) for a study that "
+        "must repeat; a partner that knows the pin can regenerate the noise. Default: a secret the bank draws "
+        "from the operating system for each session and keeps in its run folder",
+    )
     audit: bool = Field(
         False,
         description="record, for analysis only, the gradients each partner received and the embeddings the "

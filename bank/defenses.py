@@ -11,8 +11,10 @@
   minimises a bound on what any attack learns, under a power budget (the knob:
   ``marvell_power``).
 
-Noise is drawn from generators seeded by the run's seed and the step, so a run
-with a defense is as reproducible as one without.
+Every draw comes from the bank's own ``Secret`` (``parties.learning.secret``), under a label naming
+it (the flips; the step and the partner of a gradient's noise; a row's persistent Marvell draw): a
+partner that knows the code, the public seed and the batch order still cannot draw the noise again.
+The bank keeps the secret with its run, so its own resume draws the same noise.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from parties.learning.secret import Secret
 
 __all__ = [
     "GradientDefense", "MarvellNoise", "flip_probability", "marvell_perturb", "marvell_solve", "perturb_gradient",
@@ -33,29 +37,19 @@ def flip_probability(epsilon: float) -> float:
     return 1.0 / (1.0 + math.exp(epsilon))
 
 
-def randomized_response(targets: torch.Tensor, rows: np.ndarray, epsilon: float, seed: int) -> torch.Tensor:
+def randomized_response(targets: torch.Tensor, rows: np.ndarray, epsilon: float, secret: Secret) -> torch.Tensor:
     """Binary targets with the labels of ``rows`` flipped once, each with probability 1/(1+e^ε)."""
     out = targets.clone()
-    rng = np.random.default_rng([seed, 7331])
+    rng = secret.numpy("label-dp")
     flip = rows[rng.random(len(rows)) < flip_probability(epsilon)]
     out[torch.from_numpy(flip)] = 1 - out[torch.from_numpy(flip)]
     return out
 
 
-#: Keeps the persistent draws' seeds apart from the per-step ones (``_generator``); an int, so it hashes alike in
-#: every process.
-_PERSISTENT = -7331
-
-
-def _generator(seed: int, step: int, party: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash((seed, step, party)) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def perturb_gradient(grad: torch.Tensor, kind: str, scale: float, seed: int, step: int, party: int) -> torch.Tensor:
+def perturb_gradient(grad: torch.Tensor, kind: str, scale: float, generator: torch.Generator) -> torch.Tensor:
     """The gradient a partner receives, after a perturbation that needs no labels (``marvell``: ``GradientDefense``)."""
     if kind == "none":
         return grad
-    generator = _generator(seed, step, party)
     noise = torch.randn(grad.shape, generator=generator)
     norms = grad.norm(dim=1, keepdim=True)
     d = grad.shape[1]
@@ -209,18 +203,17 @@ class GradientDefense:
     noise: float = 1.0
     power: float = 4.0
     batch: int = 1 << 16
-    seed: int = 0
+    secret: Secret = field(default_factory=Secret.fresh, repr=False)
     persistence: float = 0.0
     rows: int = 0  # how many rows there are (positions run below it): for each row's persistent draw
     worst_kl_: dict[int, float] = field(default_factory=dict, init=False, repr=False)
     persistent_: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def _persistent(self, party: int, width: int) -> torch.Tensor:
-        """Every row's own standard-normal draw for ``party``: seeded by the run's seed and the party only, so a
-        resumed run draws the same."""
+        """Every row's own standard-normal draw for ``party``, from the secret and the party only, so a resumed
+        run draws the same."""
         if party not in self.persistent_:
-            # Integers only: a str in the tuple would hash differently in every process (PYTHONHASHSEED).
-            generator = torch.Generator().manual_seed(hash((self.seed, party, _PERSISTENT)) & 0x7FFF_FFFF_FFFF_FFFF)
+            generator = self.secret.torch("marvell-persistent", party)
             self.persistent_[party] = torch.randn(self.rows, width, generator=generator, dtype=torch.float64)
         return self.persistent_[party]
 
@@ -231,9 +224,9 @@ class GradientDefense:
     def __call__(self, grad: torch.Tensor, targets: torch.Tensor | None, step: int, party: int,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind != "marvell":
-            return perturb_gradient(grad, self.kind, self.noise, self.seed, step, party)
+            return perturb_gradient(grad, self.kind, self.noise, self.secret.torch("gradient", step, party))
         assert targets is not None and len(targets) == len(grad)
-        generator = _generator(self.seed, step, party)
+        generator = self.secret.torch("marvell", step, party)
         if self.persistence > 0:
             assert rows is not None and len(rows) == len(grad)
             draws = self._persistent(party, grad.shape[1]).index_select(0, rows).split(self.batch)

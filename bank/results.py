@@ -52,6 +52,7 @@ def write_run(
     chosen: dict[str, str] | None = None,
     bank_ids: Sequence[str] | None = None,
     id_column: str = "customer_id",
+    protective_noise: str | None = None,
 ) -> dict[str, Any]:
     """Write the run folder; return the metrics document.
 
@@ -116,6 +117,8 @@ def write_run(
         # Per subset of the parties scoring can meet, its model and how it did on held-out customers.
         "subsets": subsets.held_out if subsets is not None else {},
         "defaults_chosen": chosen or {},
+        # Where the bank's label DP and gradient noise came from: its secret, or a pin the run says it had.
+        **({"protective_noise": protective_noise} if protective_noise else {}),
         "best_epoch": outcome.best_epoch,
         "epochs_run": len(outcome.history),
         "steps": outcome.steps,

@@ -10,6 +10,7 @@ keeps each party's embedding gradient to send with the next step.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 import uuid
@@ -36,6 +37,8 @@ from bank.task import Task
 from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
+from parties.learning.secret import Secret
+from parties.storage.files import atomic_write_text
 from parties.settings import describe_problems
 from parties.storage.checkpoint import CheckpointWriter
 
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 #: The share of a training job's progress the training steps take; finishing (best weights, model
 #: files, the test rows) takes the rest, so a bar reaches its end only when the job has.
 TRAINING_SHARE = 0.95
+
+#: Beside the coordinator's checkpoints: the bank's secret for this session's protective noise.
+SECRET_FILE = "secret.json"
 
 ProgressFn = Callable[[str, float], None]
 
@@ -78,7 +84,10 @@ class Coordinator(Recovery):
         session_id: str | None = None,
         progress: ProgressFn | None = None,
         checkpoint_dir: Path | None = None,
+        secret: Secret | None = None,
     ) -> None:
+        """``secret``: the bank's protective randomness (default: kept in ``checkpoint_dir`` if there is one,
+        else drawn, or pinned by ``config.defense_seed``; ``parties.learning.secret``)."""
         self.task, self.targets, self.parties = task, targets, list(parties)
         self.alignment_id = alignment_id
         self.session_id = session_id or uuid.uuid4().hex
@@ -95,12 +104,14 @@ class Coordinator(Recovery):
         for setting, value in self.chosen.items():
             logger.info("session %s: %s = %s", self.session_id, setting, value)
         task.fit_target_scale(targets[torch.from_numpy(self.split.train)])
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
+        self.secret = secret or self._secret(config)
         # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
         self.train_targets = targets
         if config.label_dp_epsilon is not None:
-            self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, config.seed)
+            self.train_targets = randomized_response(targets, self.split.train, config.label_dp_epsilon, self.secret)
         self.defense = GradientDefense(config.gradient_defense, noise=config.gradient_noise, power=config.marvell_power,
-                                       batch=config.batch, seed=config.seed,
+                                       batch=config.batch, secret=self.secret,
                                        persistence=config.marvell_persistence, rows=len(targets))
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.parties) - 1), thread_name_prefix="party")
         self.wait_seconds = {p.name: 0.0 for p in self.parties}
@@ -109,13 +120,30 @@ class Coordinator(Recovery):
         self.eval_rows_sent = 0  # rows embedded for evaluation
         self.audit = AuditRecord() if config.audit else None
         self.local_top = LocalTop(config.local_steps, config.reuse_steps, self._loss)  # local steps (exact: unused)
-        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
         self.writer = CheckpointWriter()
         self.rollbacks = 0
         # Every party's embedding of every aligned row from the final weights, when heads for customers only
         # some partners hold will be trained on them (two or more partners); the bank's to keep, like any
         # evaluation embedding.
         self.embeddings: dict[str, torch.Tensor] | None = None
+
+    @property
+    def protects(self) -> bool:
+        """Whether any of the bank's protective draws is used in this session."""
+        return self.config.label_dp_epsilon is not None or self.config.gradient_defense != "none"
+
+    def _secret(self, config: TrainingConfig) -> Secret:
+        """The session's secret: the one kept beside its checkpoints (a resume, or a restart of the session),
+        else a new one (or the operator's pin), written there before anything is drawn from it."""
+        path = None if self.checkpoint_dir is None else self.checkpoint_dir / SECRET_FILE
+        if path is not None and path.exists():
+            return Secret.from_state(json.loads(path.read_text()))
+        secret = Secret.of(config.defense_seed)
+        if path is not None:
+            atomic_write_text(path, json.dumps(secret.to_state()))  # 0600, in the bank's own run folder
+        if secret.pinned is not None and (config.label_dp_epsilon is not None or config.gradient_defense != "none"):
+            logger.warning("session %s: the bank's protective noise is %s", self.session_id, secret.describe())
+        return secret
 
     # --- calling every party at once ----------------------------------------------------
 

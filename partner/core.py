@@ -60,7 +60,7 @@ class PartnerCore:
         self.models: dict[str, ScoringBottom] = {}
         # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
         # NoPeek shapes training only: scoring releases what the trained model computes.
-        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.embedding_dp else None
+        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.embedding_dp else None  # fresh
 
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         if request.version != PROTOCOL_VERSION:

@@ -15,6 +15,7 @@ from bank.defenses import GradientDefense, marvell_perturb, marvell_solve, symme
 from bank.lab.attacks import cosine_scores, norm_scores
 from bank.lab.audit import leakage_rows
 from data.prepare import prepare_bank_marketing
+from parties.learning.secret import Secret
 
 # (‖ḡ₁ − ḡ₀‖², d, positive fraction, (v₀, v₁)): imbalanced like bank-full, balanced, spread-free, one-dimensional.
 CASES = {
@@ -117,17 +118,17 @@ def test_marvell_defeats_the_norm_and_direction_attacks_as_the_power_grows() -> 
 def test_the_defense_is_reproducible_and_solves_per_batch() -> None:
     grads, labels = _batch(n=512)
     grads[256:] *= 5  # the second batch's gradients (a later top-model update) are larger
-    defense = GradientDefense("marvell", power=4.0, batch=256, seed=3)
+    defense = GradientDefense("marvell", power=4.0, batch=256, secret=Secret.pinned_to(3))
     once = defense(grads, labels, step=7, party=1)
-    assert torch.equal(once, GradientDefense("marvell", power=4.0, batch=256, seed=3)(grads, labels, 7, 1))
+    assert torch.equal(once, GradientDefense("marvell", power=4.0, batch=256, secret=Secret.pinned_to(3))(grads, labels, 7, 1))
     assert not torch.equal(once, defense(grads, labels, 8, 1)) and not torch.equal(once, defense(grads, labels, 7, 2))
     # A round trip of two batches (local steps) is two solves, the first as if it travelled alone.
-    alone = GradientDefense("marvell", power=4.0, batch=256, seed=3)(grads[:256], labels[:256], 7, 1)
+    alone = GradientDefense("marvell", power=4.0, batch=256, secret=Secret.pinned_to(3))(grads[:256], labels[:256], 7, 1)
     assert torch.equal(once[:256], alone)
-    whole = GradientDefense("marvell", power=4.0, batch=512, seed=3)(grads, labels, 7, 1)
+    whole = GradientDefense("marvell", power=4.0, batch=512, secret=Secret.pinned_to(3))(grads, labels, 7, 1)
     assert not torch.equal(whole[:256], alone)
     # It reports the larger of the two batches' bounds, once.
-    fresh = GradientDefense("marvell", power=4.0, batch=256, seed=3)
+    fresh = GradientDefense("marvell", power=4.0, batch=256, secret=Secret.pinned_to(3))
     fresh(grads, labels, 7, 1)
     bounds = [marvell_solve(u2, d, p, 4.0 * u2, v).kl for u2, d, p, v in (_stats(grads[:256], labels[:256]),
                                                                          _stats(grads[256:], labels[256:]))]
@@ -143,7 +144,7 @@ def _stats(grads: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 def test_no_defense_sends_the_gradient_itself() -> None:
     grads, labels = _batch(n=64)
-    assert GradientDefense("none", seed=1)(grads, None, 0, 1) is grads
+    assert GradientDefense("none", secret=Secret.pinned_to(1))(grads, None, 0, 1) is grads
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -187,9 +188,11 @@ def test_marvell_training_is_reproducible_with_local_steps(bank_full: Path, tmp_
 
     fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False))
     config = TrainingConfig(epochs=1, batch_size=64, local_steps=2, max_steps=6, audit=True,
-                            gradient_defense="marvell", marvell_power=2.0)
+                            gradient_defense="marvell", marvell_power=2.0, defense_seed=11)  # pinned, for the study
     runs = [fed.coordinator(config).run().audit.tensors()["gradients-partner"]["grads"] for _ in range(2)]
     assert torch.equal(*runs)
+    unpinned = fed.coordinator(config.model_copy(update={"defense_seed": None})).run()
+    assert not torch.equal(runs[0], unpinned.audit.tensors()["gradients-partner"]["grads"])  # the bank's secret
     plain = fed.coordinator(config.model_copy(update={"gradient_defense": "none"})).run()
     assert not torch.equal(runs[0], plain.audit.tensors()["gradients-partner"]["grads"])
 
@@ -201,7 +204,7 @@ def _noise_over_epochs(persistence: float, epochs: int = 16) -> torch.Tensor:
     targets = (torch.rand(512, generator=generator) < 0.2).float()
     grad[targets == 1] += 1.0
     rows = torch.randperm(2000, generator=generator)[:512]
-    defense = GradientDefense("marvell", power=4.0, seed=3, persistence=persistence, rows=2000)
+    defense = GradientDefense("marvell", power=4.0, secret=Secret.pinned_to(3), persistence=persistence, rows=2000)
     return torch.stack([defense(grad, targets, step, 1, rows) - grad for step in range(epochs)])
 
 
@@ -222,8 +225,8 @@ def test_no_persistence_is_the_defense_as_it_was() -> None:
     generator = torch.Generator().manual_seed(1)
     grad, targets = torch.randn(300, 4, generator=generator), (torch.rand(300, generator=generator) < 0.3).float()
     rows = torch.arange(300)
-    plain = GradientDefense("marvell", power=2.0, seed=9)(grad, targets, 7, 1)
-    zero = GradientDefense("marvell", power=2.0, seed=9, persistence=0.0, rows=300)(grad, targets, 7, 1, rows)
+    plain = GradientDefense("marvell", power=2.0, secret=Secret.pinned_to(9))(grad, targets, 7, 1)
+    zero = GradientDefense("marvell", power=2.0, secret=Secret.pinned_to(9), persistence=0.0, rows=300)(grad, targets, 7, 1, rows)
     assert torch.equal(plain, zero)
 
 
@@ -235,10 +238,10 @@ def test_persistent_noise_is_the_same_in_every_process(tmp_path: Path) -> None:
     import sys
 
     script = (
-        "import torch; from bank.defenses import GradientDefense\n"
+        "import torch; from bank.defenses import GradientDefense; from parties.learning.secret import Secret\n"
         "g = torch.Generator().manual_seed(0); grad = torch.randn(64, 4, generator=g)\n"
         "t = (torch.arange(64) % 3 == 0).float()\n"
-        "d = GradientDefense('marvell', power=2.0, seed=5, persistence=1.0, rows=100)\n"
+        "d = GradientDefense('marvell', power=2.0, secret=Secret.pinned_to(5), persistence=1.0, rows=100)\n"
         "print(d(grad, t, 3, 1, torch.arange(64) + 10).sum().item().hex())\n"
     )
     outputs = {

@@ -12,6 +12,7 @@ from sklearn.metrics import roc_auc_score
 from bank.config import TrainingConfig
 from bank.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
+from parties.learning.secret import Secret
 from parties.errors import BudgetExhausted, ConfigError, CutlayerError
 from parties.learning.bottom import BottomTrainer
 from parties.learning.embedding_dp import RDP_ORDERS, EmbeddingDP, PrivacyConfig, epsilon_after
@@ -31,7 +32,10 @@ def test_embedding_dp_clips_noises_and_counts() -> None:
     dp = EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0), 100)
     a, b = dp.release(z, rows), dp.release(z, rows)
     assert not torch.equal(a, b)  # fresh noise on every release
-    assert torch.equal(a, EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0), 100).release(z, rows))  # seeded
+    # The noise is the partner's secret: another session draws other noise; only a pin repeats it.
+    assert not torch.equal(a, EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0), 100).release(z, rows))
+    pinned = [EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0, seed=4), 100).release(z, rows) for _ in range(2)]
+    assert torch.equal(*pinned)
     assert dp.releases[:50].tolist() == [2] * 50 and dp.releases[50:].sum() == 0
     assert dp.epsilon() == pytest.approx(epsilon_after(2, 1.0, 1e-5))
 
@@ -121,10 +125,10 @@ def test_partners_report_their_epsilon_every_epoch(pki, bank_full: Path, tmp_pat
 def test_randomized_response_flips_once_at_the_stated_rate() -> None:
     targets = torch.zeros(20_000)
     rows = np.arange(0, 20_000, 2)
-    flipped = randomized_response(targets, rows, epsilon=1.0, seed=0)
+    flipped = randomized_response(targets, rows, epsilon=1.0, secret=Secret.pinned_to(0))
     assert flipped[1::2].sum() == 0  # rows outside the training split keep their labels
     assert float(flipped[rows].mean()) == pytest.approx(flip_probability(1.0), abs=0.015)
-    assert torch.equal(flipped, randomized_response(targets, rows, epsilon=1.0, seed=0))
+    assert torch.equal(flipped, randomized_response(targets, rows, epsilon=1.0, secret=Secret.pinned_to(0)))
 
 
 def test_max_norm_defeats_the_norm_attack() -> None:
@@ -132,7 +136,7 @@ def test_max_norm_defeats_the_norm_attack() -> None:
     labels = (torch.rand(2000, generator=gen) < 0.12).float()
     grads = torch.randn(2000, 8, generator=gen) * (0.05 + 0.9 * labels[:, None])  # positives: larger gradients
     before = roc_auc_score(labels, grads.norm(dim=1))
-    after = roc_auc_score(labels, perturb_gradient(grads, "max_norm", 0.0, 0, 1, 1).norm(dim=1))
+    after = roc_auc_score(labels, perturb_gradient(grads, "max_norm", 0.0, Secret.pinned_to(0).torch("gradient", 1, 1)).norm(dim=1))
     assert before > 0.95 and abs(after - 0.5) < 0.1
 
 

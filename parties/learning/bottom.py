@@ -55,6 +55,7 @@ from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom, build_optimizer
 from parties.learning.nopeek import NoPeek
+from parties.learning.secret import Secret
 from parties.protocol.training import PrivacyReport
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
@@ -76,8 +77,13 @@ class BottomTrainer:
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
         local: LocalSteps | None = None,
+        secret: Secret | None = None,
     ) -> None:
+        """``secret``: this party's protective randomness (embedding noise, probe rows); default: pinned by the
+        privacy or monitor settings' seed, else fresh. It is part of the state: a restore draws the same."""
         self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        pins = [c.seed for c in (privacy, monitor) if c is not None and c.seed is not None]
+        self.secret = secret or Secret.of(pins[0] if pins else None)
         self.config = config
         self.model = build_bottom(self.x.shape[1], config)
         self._params = list(self.model.parameters())
@@ -90,9 +96,12 @@ class BottomTrainer:
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
-        self.dp = EmbeddingDP(privacy, self.x.shape[0]) if privacy is not None and privacy.embedding_dp else None
+        self.dp = (EmbeddingDP(privacy, self.x.shape[0], self.secret)
+                   if privacy is not None and privacy.embedding_dp else None)
         self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
-        self.monitor = HijackMonitor(monitor) if monitor is not None and monitor.active else None
+        self.monitor = HijackMonitor(monitor, self.secret) if monitor is not None and monitor.active else None
+        if self.secret.pinned is not None and (self.dp is not None or self.monitor is not None):
+            logger.warning("this partner's protective randomness is %s", self.secret.describe())
         if self.monitor is not None:
             logger.info("hijack monitor on: %s", self.monitor.describe())
         self._probe: list[tuple[int, int]] = []
@@ -298,6 +307,8 @@ class BottomTrainer:
                         tensors[f"last.{name}"] = value.detach().clone()
             meta = {"next_step": self.next_step, "optimizer": optim_meta, "last_step": last_step,
                     "releases": self.releases}
+            if self.dp is not None or self.monitor is not None:  # the party's own disk: its resume draws the same
+                meta["secret"] = self.secret.to_state()
             if self.dp is not None:
                 tensors["dp.releases"] = torch.from_numpy(self.dp.releases.copy())
                 meta["dp_draws"] = self.dp._draws
@@ -318,6 +329,11 @@ class BottomTrainer:
             self.model.load_state_dict(checkpoint.section("model"))
             unflatten_optimizer(self.optimizer, checkpoint.section("optim"), meta["optimizer"])
             self.next_step, self.releases = meta["next_step"], meta["releases"]
+            if "secret" in meta:
+                self.secret = Secret.from_state(meta["secret"])
+                for user in (self.dp, self.monitor):
+                    if user is not None:
+                        user.secret = self.secret
             if self.dp is not None:
                 self.dp.releases = checkpoint.tensors["dp.releases"].numpy().copy()
                 self.dp._draws = meta["dp_draws"]

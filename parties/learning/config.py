@@ -44,7 +44,8 @@ class PrivacyConfig(BaseModel):
     noise: float = Field(0.0, ge=0, description="Gaussian noise std added to each coordinate")
     delta: float = Field(1e-5, gt=0, lt=1)
     budget: float | None = Field(None, gt=0, description="refuse releases past this ε")
-    seed: int = 0
+    seed: int | None = Field(None, description="pin the partner's embedding noise for a study that must repeat (the "
+                             "bank, knowing the pin, can regenerate it); default: a secret drawn for each session")
     nopeek: float = Field(0.0, ge=0, allow_inf_nan=False, description="weight α of α·dCor(features, embedding) "
                           "added to this partner's own loss on each training batch (NoPeek; 0: off)")
 
@@ -80,7 +81,8 @@ class MonitorConfig(BaseModel):
     pairs: int = Field(4, ge=1, description="embeddings copied per probe step")
     threshold: float = Field(1e-3, gt=0, description="alarm when the median relative difference is under this")
     min_pairs: int = Field(8, ge=1, description="pairs observed before any verdict")
-    seed: int = 0
+    seed: int | None = Field(None, description="pin which rows are probes, for a study that must repeat (a bank that "
+                             "knows the pin knows the probes); default: a secret drawn for each session")
 
     @property
     def active(self) -> bool:

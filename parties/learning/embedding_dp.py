@@ -25,6 +25,7 @@ import torch
 
 from parties.errors import BudgetExhausted, ConfigError
 from parties.learning.config import PrivacyConfig
+from parties.learning.secret import Secret
 from parties.protocol.training import PrivacyReport
 
 __all__ = ["RDP_ORDERS", "EmbeddingDP", "PrivacyConfig", "epsilon_after"]
@@ -63,10 +64,12 @@ def epsilon_after(releases: int, noise_multiplier: float, delta: float) -> float
 class EmbeddingDP:
     """Clips and noises a party's released embeddings and counts each row's releases."""
 
-    def __init__(self, config: PrivacyConfig, n_rows: int) -> None:
+    def __init__(self, config: PrivacyConfig, n_rows: int, secret: Secret | None = None) -> None:
+        """``secret``: where the noise comes from (default: the config's pin, else a fresh secret)."""
         if config.clip is None:
             raise ValueError("embedding DP needs a clip norm")
         self.config, self.clip = config, config.clip
+        self.secret = secret or Secret.of(config.seed)
         self.releases = np.zeros(n_rows, dtype=np.int64)
         self._draws = 0
 
@@ -104,7 +107,7 @@ class EmbeddingDP:
         """``z`` clipped row by row, plus noise; differentiable in ``z`` (the noise is a constant)."""
         self.check(rows)
         clipped = self.clipped(z)
-        generator = torch.Generator().manual_seed(hash((self.config.seed, self._draws)) & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = self.secret.torch("embedding-noise", self._draws)
         self._draws += 1
         noise = torch.randn(z.shape, generator=generator) * self.config.noise
         np.add.at(self.releases, rows.numpy(), 1)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from parties.learning.config import MonitorConfig
+from parties.learning.secret import Secret
 
 __all__ = ["HijackMonitor", "MonitorConfig"]
 
@@ -45,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 
 class HijackMonitor:
-    def __init__(self, config: MonitorConfig) -> None:
+    def __init__(self, config: MonitorConfig, secret: Secret | None = None) -> None:
+        """``secret``: which rows are probes (default: the config's pin, else a fresh secret)."""
         self.config = config
+        self.secret = secret or Secret.of(config.seed)
         self.differences: list[float] = []  # copy probes: each copied pair's relative difference
         # The rank test: the last window's off-task shares and turns, and the last step's task directions.
         self.shares: deque[float] = deque(maxlen=config.window)
@@ -133,7 +136,7 @@ class HijackMonitor:
         every = self.config.probe_every
         if not every or step % every != every - 1 or batch < 2 * self.config.pairs:
             return []
-        order = np.random.default_rng([self.config.seed, step]).permutation(batch)[: 2 * self.config.pairs]
+        order = self.secret.numpy("probe", step).permutation(batch)[: 2 * self.config.pairs]
         return [(int(order[2 * k]), int(order[2 * k + 1])) for k in range(self.config.pairs)]
 
     @staticmethod
