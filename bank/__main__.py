@@ -62,15 +62,16 @@ REUSE_STEPS_HELP = (f"with --local-steps: R more updates per round trip at every
 def _add_gradient_defense_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument("--gradient-defense", choices=get_args(GradientDefenseName), default=None,
                         help=f"bank: perturb the gradients partners receive (default "
-                             f"{default_of(TrainingConfig, 'gradient_defense')}; marvell: class-dependent noise "
-                             "that minimises a bound on label leakage, Li et al. 2022)")
+                             f"{default_of(TrainingConfig, 'gradient_defense')}; matched: each class gets the other's "
+                             "covariance, both the same noise along their mean difference; marvell: the paper's "
+                             "noise model, Li et al. 2022, which label-free attacks read)")
     parser.add_argument("--gradient-noise", type=float, default=None, help="bank: isotropic noise scale")
     parser.add_argument("--marvell-power", type=float, default=None, metavar="S",
-                        help=f"bank, with --gradient-defense marvell: the noise power, in units of the squared "
+                        help=f"bank, with --gradient-defense matched or marvell: the noise power, in units of the squared "
                              f"distance between the classes' mean gradients (default "
                              f"{default_of(TrainingConfig, 'marvell_power')}; more: less leakage, slower learning)")
     parser.add_argument("--marvell-persistence", type=float, default=None, metavar="RHO",
-                        help=f"bank, with --gradient-defense marvell: the share (0 to 1) of each row's noise drawn once "
+                        help=f"bank, with --gradient-defense matched or marvell: the share (0 to 1) of each row's noise drawn once "
                              f"for the run, so that averaging a row's gradients over epochs does not remove it "
                              f"(default {default_of(TrainingConfig, 'marvell_persistence')}; the per-batch bound is the same)")
 
@@ -364,9 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
     w.add_argument("--reuse-steps", type=int, default=None, metavar="R", help=REUSE_STEPS_HELP)
     d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
-    d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding DP clip norm")
-    d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding DP noise std")
-    d.add_argument("--dp-budget", type=float, default=None, help="partners: refuse releases past this ε")
+    d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding noise's clip norm")
+    d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding noise's std (obfuscation, no ε)")
     d.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",
                    help="partners: NoPeek, ALPHA x dCor(features, embedding) added to their own loss")
     d.add_argument("--hijack-monitor", action="store_true", default=None, help="partners: the hijack monitor's rank test")

@@ -203,13 +203,14 @@ def _gradient_defense(args: argparse.Namespace) -> dict[str, object]:
 
 def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingConfig:
     """Refuse a defense's knob given for another defense: it would change nothing, silently."""
-    knobs = (("--marvell-power", "power", args.marvell_power, "marvell"),
-             ("--marvell-persistence", "persistence", args.marvell_persistence, "marvell"),
-             ("--gradient-noise", "noise scale", args.gradient_noise, "isotropic"))
-    for flag, knob, value, defense in knobs:
-        if value is not None and config.gradient_defense != defense:
-            raise ConfigError(f"{flag} sets the {knob} of --gradient-defense {defense}, not of "
-                              f"{config.gradient_defense}: give --gradient-defense {defense} too, or drop it")
+    knobs = (("--marvell-power", "power", args.marvell_power, ("matched", "marvell")),
+             ("--marvell-persistence", "persistence", args.marvell_persistence, ("matched", "marvell")),
+             ("--gradient-noise", "noise scale", args.gradient_noise, ("isotropic",)))
+    for flag, knob, value, defenses in knobs:
+        if value is not None and config.gradient_defense not in defenses:
+            named = " or ".join(defenses)
+            raise ConfigError(f"{flag} sets the {knob} of --gradient-defense {named}, not of "
+                              f"{config.gradient_defense}: give --gradient-defense {defenses[0]} too, or drop it")
     return config
 
 
@@ -263,7 +264,7 @@ def _check_partner_privacy(args: argparse.Namespace) -> None:
     from parties.learning.config import PrivacyConfig
     from parties.settings import describe_problems
 
-    flags = {"clip": "--dp-clip", "noise": "--dp-noise", "budget": "--dp-budget", "nopeek": "--nopeek"}
+    flags = {"clip": "--dp-clip", "noise": "--dp-noise", "nopeek": "--nopeek"}
     values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in flags.items()}
     try:
         PrivacyConfig(**{k: v for k, v in values.items() if v is not None})
@@ -294,7 +295,7 @@ def walkthrough(args: argparse.Namespace) -> int:
                           f"{training.gradient_defense}): the rank test reads that noise as a hijack. Protect "
                           "labels with --label-dp-epsilon alongside it (see the README's privacy section)")
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
-        ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise), ("dp_budget", args.dp_budget),
+        ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise),
         ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
     if args.hijack_monitor:
         partner_args.append("--hijack-monitor")

@@ -14,7 +14,7 @@ __all__ = ["AggregationName", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO
 # Here rather than beside their torch code (bank/task.py, bank/aggregation.py): this module stays light
 # enough for the command line's --help to read its defaults.
 AggregationName = Literal["concat", "sum", "mean"]
-GradientDefenseName = Literal["none", "max_norm", "isotropic", "marvell"]
+GradientDefenseName = Literal["none", "max_norm", "isotropic", "marvell", "matched"]
 
 
 #: The adaptive batch size's bounds: bank-full's 36,168 training rows get the largest, which it was tuned at;
@@ -67,19 +67,22 @@ class TrainingConfig(BaseModel):
         None, gt=0, description="randomized-response label DP: flip each training label once, with prob 1/(1+e^ε)"
     )
     gradient_defense: GradientDefenseName = Field(
-        "none", description="perturb the gradients the partners receive (against label inference)"
+        "none", description="perturb the gradients the partners receive (against label inference): matched "
+        "(each class gets the other's covariance, both the same noise along their mean difference), marvell (the "
+        "paper's model: label-free attacks read it), isotropic, max_norm"
     )
     gradient_noise: float = Field(1.0, ge=0, description="isotropic: noise std in units of the mean gradient norm")
     # 4 by measurement (bank-full, 8000 rows, 8 epochs, seeds 0-2): the per-epoch norm and direction leak AUCs
     # fall from 0.97 and 1.0 to 0.53 and 0.57 for 0.016 of test ROC-AUC; s = 1 leaves 0.61 and 0.63, and s = 16
     # costs 0.04. Per-step noise averages out across epochs: the row-mean attacks still reach 0.66 and 0.78.
     marvell_power: float = Field(
-        4.0, gt=0, allow_inf_nan=False, description="marvell: the noise power s; per batch, the noise's mean "
-        "squared norm per row is at most s times the squared distance between the two classes' mean gradients",
+        4.0, gt=0, allow_inf_nan=False, description="matched, marvell: the noise power s, in units of the squared "
+        "distance between the two classes' mean gradients in a batch (matched: the variance added along that "
+        "difference; marvell: the noise's mean squared norm per row)",
     )
     marvell_persistence: float = Field(
-        0.0, ge=0, le=1, description="marvell: the share of each row's noise drawn once for the whole run rather "
-        "than at every step; per batch the noise is the same, across epochs it no longer averages away",
+        0.0, ge=0, le=1, description="matched, marvell: the share of each row's noise drawn once for the whole run "
+        "rather than at every step; per batch the noise is the same, across epochs it no longer averages away",
     )
     wire_precision: Literal["fp32", "fp16", "bf16", "int8"] = Field(
         "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
@@ -115,8 +118,9 @@ class TrainingConfig(BaseModel):
         # A task left to the bank (None) is checked again once it is known (``resolved``).
         if self.label_dp_epsilon is not None and self.task not in (None, "binary"):
             raise ValueError("randomized-response label DP is implemented for binary tasks")
-        if self.gradient_defense == "marvell" and self.task not in (None, "binary"):
-            raise ValueError("the marvell gradient defense is for binary tasks (it hides one class from the other)")
+        if self.gradient_defense in ("marvell", "matched") and self.task not in (None, "binary"):
+            raise ValueError(f"the {self.gradient_defense} gradient defense is for binary tasks (it hides one class "
+                             "from the other)")
         return self
 
     @model_validator(mode="after")

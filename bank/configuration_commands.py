@@ -26,7 +26,7 @@ __all__ = ["add_configuration_commands", "configuration_settings", "configuratio
 
 
 #: Walkthrough flags that only the vertical configuration has (PSI, partners and their defenses, the wire).
-VERTICAL_ONLY = ("workers", "wire_precision", "local_steps", "reuse_steps", "dp_clip", "dp_noise", "dp_budget",
+VERTICAL_ONLY = ("workers", "wire_precision", "local_steps", "reuse_steps", "dp_clip", "dp_noise",
                  "nopeek", "hijack_monitor", "hijack_probe_every", "label_dp_epsilon", "gradient_defense",
                  "gradient_noise", "marvell_power", "marvell_persistence", "max_steps")
 

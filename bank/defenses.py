@@ -189,6 +189,49 @@ def marvell_perturb(
     return (g + eta).to(grad.dtype), noise
 
 
+def _psd_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    values, vectors = torch.linalg.eigh(matrix)
+    return vectors * values.clamp(min=0).sqrt()
+
+
+def matched_perturb(
+    grad: torch.Tensor, targets: torch.Tensor, power: float, generator: torch.Generator,
+    persistent: torch.Tensor | None = None, persistence: float = 0.0,
+) -> tuple[torch.Tensor, float | None]:
+    """One batch's gradients with noise that leaves the two classes the same covariance in every direction.
+
+    Each class gets Gaussian noise with the other class's covariance (Σ₁ for the negatives, Σ₀ for the
+    positives), so both end with Σ₀ + Σ₁ however their own spread is shaped; and both get the same noise of
+    variance s·‖ḡ₁ − ḡ₀‖² along the difference of their means. What is left to tell them apart is that
+    difference alone, against the common covariance C: the symmetric KL between the two (Gaussian) classes,
+    returned as the bound, is (ḡ₁ − ḡ₀)ᵀ C⁻¹ (ḡ₁ − ḡ₀). ``persistent``/``persistence`` as in ``marvell_perturb``.
+    """
+    positive = targets.reshape(-1) > 0.5
+    n, d = grad.shape
+    n1 = int(positive.sum())
+    if n1 in (0, n):
+        return grad, None
+    g = grad.double()
+    classes = (~positive, positive)
+    means = [g[m].mean(dim=0) for m in classes]
+    diff = means[1] - means[0]
+    u2 = float(diff @ diff)
+    if not u2 > 0 or not math.isfinite(u2):
+        return grad, None
+    covs = [((g[m] - means[c]).T @ (g[m] - means[c])) / max(int(m.sum()), 1) for c, m in enumerate(classes)]
+    unit = diff / math.sqrt(u2)
+    along = power * u2 * torch.outer(unit, unit)
+    roots = [_psd_sqrt(covs[1 - c] + along) for c in range(2)]  # class c gets the other class's covariance
+    z = torch.randn(grad.shape, generator=generator, dtype=torch.float64)
+    if persistence > 0:
+        assert persistent is not None and persistent.shape == z.shape
+        z = math.sqrt(persistence) * persistent + math.sqrt(1.0 - persistence) * z
+    eta = torch.where(positive[:, None], z @ roots[1].T, z @ roots[0].T)
+    common = covs[0] + covs[1] + along
+    kl = float(diff @ torch.linalg.lstsq(common, diff[:, None]).solution[:, 0])
+    return (g + eta).to(grad.dtype), kl
+
+
 @dataclass
 class GradientDefense:
     """What each partner's gradient goes through before it is sent (``TrainingConfig.gradient_defense``).
@@ -219,11 +262,11 @@ class GradientDefense:
 
     @property
     def needs_labels(self) -> bool:
-        return self.kind == "marvell"
+        return self.kind in ("marvell", "matched")
 
     def __call__(self, grad: torch.Tensor, targets: torch.Tensor | None, step: int, party: int,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self.kind != "marvell":
+        if self.kind not in ("marvell", "matched"):
             return perturb_gradient(grad, self.kind, self.noise, self.secret.torch("gradient", step, party))
         assert targets is not None and len(targets) == len(grad)
         generator = self.secret.torch("marvell", step, party)
@@ -234,10 +277,14 @@ class GradientDefense:
             draws = (None,) * -(-len(grad) // self.batch)
         out = []
         for g, t, own in zip(grad.split(self.batch), targets.split(self.batch), draws):
-            perturbed, noise = marvell_perturb(g, t, self.power, generator, own, self.persistence)
+            if self.kind == "matched":
+                perturbed, kl = matched_perturb(g, t, self.power, generator, own, self.persistence)
+            else:
+                perturbed, noise = marvell_perturb(g, t, self.power, generator, own, self.persistence)
+                kl = None if noise is None else noise.kl
             out.append(perturbed)
-            if noise is not None:
-                self.worst_kl_[party] = max(self.worst_kl_.get(party, 0.0), noise.kl)
+            if kl is not None:
+                self.worst_kl_[party] = max(self.worst_kl_.get(party, 0.0), kl)
         return torch.cat(out)
 
     def pop_worst_kl(self, party: int) -> float | None:

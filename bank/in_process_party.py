@@ -9,7 +9,7 @@ import torch
 
 from parties.errors import BadMessage, PeerError
 from parties.learning.config import LocalSteps
-from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.learning.training_session import PartySession

@@ -406,10 +406,8 @@ class Coordinator(Recovery):
             if self.config.track_test:
                 row |= {f"test_{m}": v for m, v in self.evaluate(top, self.split.test)[0].items()}
             row["train_seconds"] = train_seconds
-            for k, p in enumerate(self.parties[1:], start=1):  # each partner's DP spend and NoPeek dCor, as it reports them
+            for k, p in enumerate(self.parties[1:], start=1):  # each partner's NoPeek dCor, as it reports it
                 report = p.privacy()
-                if report.enabled:
-                    row[f"epsilon_{p.name}"] = report.epsilon
                 if report.dcor is not None:
                     row[f"dcor_{p.name}"] = report.dcor
                 if (kl := self.defense.pop_worst_kl(k)) is not None:  # Marvell's bound, on the epoch's worst batch

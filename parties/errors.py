@@ -14,8 +14,7 @@ The tree::
     │   └── OutOfOrder              a valid message at the wrong time          -> 409
     │       ├── NotAligned          training or resuming before any alignment  -> 409
     │       ├── NotReady            the answer is still being computed; retry  -> 409
-    │       ├── Behind              the party is behind (restored from a checkpoint) -> 409
-    │       └── BudgetExhausted     the release would pass the privacy budget  -> 409
+    │       └── Behind              the party is behind (restored from a checkpoint) -> 409
     ├── Forbidden                   the caller's certificate lacks the role    -> 403
     │   └── HijackSuspected         the partner's monitor saw a hijacking bank -> 403
     ├── OverBudget                  the caller used up its PSI budget for now  -> 429
@@ -38,7 +37,6 @@ __all__ = [
     "AlignmentMismatch",
     "BadMessage",
     "Behind",
-    "BudgetExhausted",
     "ConfigError",
     "CutlayerError",
     "DataError",
@@ -119,10 +117,6 @@ class Behind(OutOfOrder):
     def __init__(self, message: str, next_step: int | None = None) -> None:
         super().__init__(message)
         self.next_step = next_step
-
-
-class BudgetExhausted(OutOfOrder):
-    pass
 
 
 class Forbidden(CutlayerError):

@@ -285,8 +285,7 @@ def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ..
 #: Settings whose command-line flag is not simply the field's name with dashes.
 _FLAGS = {
     "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
-    "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.delta": "--dp-delta",
-    "privacy.budget": "--dp-budget", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
+    "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
     "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank",
 }
 

@@ -26,13 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"optimizer of the bottom model (default {default_of(BottomConfig, 'optimizer')})")
     b.add_argument("--seed", type=int, default=None,
                    help=f"initialisation seed (default {default_of(BottomConfig, 'seed')})")
-    d = s.add_argument_group("embedding differential privacy (off unless --dp-clip is given)")
+    d = s.add_argument_group("embedding noise (off unless --dp-clip is given): obfuscation against inversion, "
+                             "not differential privacy, and no ε is claimed (README: privacy)")
     d.add_argument("--dp-clip", type=float, default=None, help="L2 bound on each released embedding row")
     d.add_argument("--dp-noise", type=float, default=None,
-                   help=f"Gaussian noise std per coordinate (default {default_of(PrivacyConfig, 'noise')})")
-    d.add_argument("--dp-delta", type=float, default=None,
-                   help=f"δ for the reported ε (default {default_of(PrivacyConfig, 'delta')})")
-    d.add_argument("--dp-budget", type=float, default=None, help="refuse releases that would pass this ε")
+                   help=f"Gaussian noise std per coordinate, drawn from this partner's own secret "
+                        f"(default {default_of(PrivacyConfig, 'noise')})")
     n = s.add_argument_group("NoPeek: embeddings that reveal less of this partner's features (needs no DP)")
     n.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",
                    help="add ALPHA x the distance correlation between this partner's features and its embedding "
@@ -104,7 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
     }
     bottom = {k: v for k, v in bottom.items() if v is not None}
-    privacy = {"clip": args.dp_clip, "noise": args.dp_noise, "delta": args.dp_delta, "budget": args.dp_budget,
+    privacy = {"clip": args.dp_clip, "noise": args.dp_noise,
                "nopeek": args.nopeek}
     privacy = {k: v for k, v in privacy.items() if v is not None}
     settings = load_settings(

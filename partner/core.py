@@ -16,7 +16,7 @@ from alignment.parallel import WorkerPool
 from alignment.psi import PROTOCOL_VERSION, PsiResponder, check_id_types, check_minimum, partnership_dst
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.learning.config import LocalSteps
-from parties.learning.embedding_dp import EmbeddingDP
+from parties.learning.embedding_noise import EmbeddingNoise
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
 from parties.protocol.codec import Precision
@@ -58,9 +58,9 @@ class PartnerCore:
         self.scoring_alignments: dict[str, np.ndarray] = {}
         self._drifts: dict[tuple[str, str], Drift] = {}  # (model, scoring alignment) -> each column's drift
         self.models: dict[str, ScoringBottom] = {}
-        # Scoring releases embeddings too: with embedding DP on, they are clipped, noised and counted.
-        # NoPeek shapes training only: scoring releases what the trained model computes.
-        self.scoring_dp = EmbeddingDP(settings.privacy, len(table)) if settings.privacy.embedding_dp else None  # fresh
+        # Scoring releases embeddings too: with embedding noise on, they are clipped, noised (from a secret of this
+        # process's own) and counted. NoPeek shapes training only: scoring releases what the trained model computes.
+        self.scoring_dp = EmbeddingNoise(settings.privacy, len(table)) if settings.privacy.embedding_noise else None
 
     def open_session(self, request: PsiOpenRequest, owner: str = "") -> PsiOpenResponse:
         if request.version != PROTOCOL_VERSION:
@@ -333,7 +333,6 @@ class PartnerCore:
         z = model.embed(torch.from_numpy(features))
         if self.scoring_dp is not None:
             z = self.scoring_dp.release(z, torch.from_numpy(table_rows.astype(np.int64)))
-            logger.info("scoring release: ε spent on scoring so far %.2f", self.scoring_dp.epsilon())
         if fallbacks:
             logger.info("model %s: scoring rows took fallback policies: %s", model_id, fallbacks)
         return z, fallbacks, self._drift(model_id, alignment_id, model, rows)

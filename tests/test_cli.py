@@ -20,7 +20,7 @@ import partner.__main__ as partner_cli
 from bank.config import TrainingConfig
 from bank.split_run import ConfigurationSettings
 from parties.cli import run_cli
-from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.settings import BankSettings, LayerHostSettings, ServiceSettings
@@ -89,7 +89,6 @@ MODEL_DEFAULTS = {
     ("partner serve", "--seed"): _field(BottomConfig, "seed"),
     ("partner serve", "--optimizer"): _field(BottomConfig, "optimizer"),
     ("partner serve", "--dp-noise"): _field(PrivacyConfig, "noise"),
-    ("partner serve", "--dp-delta"): _field(PrivacyConfig, "delta"),
     ("partner serve", "--nopeek"): _field(PrivacyConfig, "nopeek"),
     ("partner serve", "--hijack-probe-every"): _field(MonitorConfig, "probe_every"),
     ("partner serve", "--hijack-task-rank"): _field(MonitorConfig, "task_rank"),
@@ -233,13 +232,13 @@ def test_impossible_local_steps_at_the_command_line_are_one_line(tmp_path: Path,
     (["--gradient-defense", "marvell", "--marvell-power", "inf"],
      "error: --marvell-power inf: the noise power is a number above 0 (e.g. 4)"),
     (["--gradient-defense", "isotropic", "--marvell-power", "2"],
-     "error: --marvell-power sets the power of --gradient-defense marvell, not of isotropic: give "
-     "--gradient-defense marvell too, or drop it"),
+     "error: --marvell-power sets the power of --gradient-defense matched or marvell, not of isotropic: give "
+     "--gradient-defense matched too, or drop it"),
     (["--gradient-defense", "marvell", "--marvell-persistence", "1.5"],
      "error: --marvell-persistence 1.5: a share between 0 and 1 (e.g. 1)"),
     (["--gradient-defense", "max_norm", "--marvell-persistence", "1"],
-     "error: --marvell-persistence sets the persistence of --gradient-defense marvell, not of max_norm: give "
-     "--gradient-defense marvell too, or drop it"),
+     "error: --marvell-persistence sets the persistence of --gradient-defense matched or marvell, not of max_norm: give "
+     "--gradient-defense matched too, or drop it"),
     (["--gradient-noise", "2"],
      "error: --gradient-noise sets the noise scale of --gradient-defense isotropic, not of none: give "
      "--gradient-defense isotropic too, or drop it"),

@@ -144,7 +144,9 @@ MEASURED = {
     "cross_epoch_direction_leak_auc", "model_completion_leak_auc", "model_completion_leak_auc_std",
     "from_scratch_leak_auc", "from_scratch_leak_auc_std", "model_completion_advantage",
     "model_completion_advantage_std", "known_labels", "completion_draws", "strongest_label_leak_auc",
-    "strongest_gradient_leak_auc", "strongest_label_attack", "inversion_r2_advantage", "partner_epsilon", "label_dp_epsilon",
+    "strongest_gradient_leak_auc", "strongest_label_attack", "inversion_r2_advantage", "inversion_r2_max",
+    "inversion_worst_feature", "label_dp_epsilon", "off_direction_leak_auc", "projection_leak_auc",
+    "mixture_leak_auc", "kmeans_leak_auc", "few_label_10_leak_auc", "few_label_50_leak_auc",
 }
 
 
@@ -152,7 +154,7 @@ def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
         bank_full: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bank.lab import privacy_study
     from bank.lab.privacy_study import LABEL_ATTACKS, Federation, leak, measure
-    from parties.learning.embedding_dp import PrivacyConfig
+    from parties.learning.embedding_noise import PrivacyConfig
 
     attacked: list[tuple[nn.Module, BottomConfig, np.ndarray]] = []
 
@@ -178,7 +180,7 @@ def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
     assert row["model_completion_advantage"] == pytest.approx(
         row["model_completion_leak_auc"] - row["from_scratch_leak_auc"])
     assert 0.5 < row["test_roc_auc"] <= 1 and 0.5 < row["from_scratch_leak_auc"] <= 1  # its columns predict
-    assert math.isfinite(row["partner_epsilon"]) and row["label_dp_epsilon"] == 3.0
+    assert row["label_dp_epsilon"] == 3.0 and row["inversion_r2_max"] >= row["inversion_r2_advantage"]
 
 
 def test_the_privacy_study_command_takes_the_number_of_known_labels(

@@ -13,9 +13,9 @@ from bank.config import TrainingConfig
 from bank.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
 from parties.learning.secret import Secret
-from parties.errors import BudgetExhausted, ConfigError, CutlayerError
+from parties.errors import ConfigError, CutlayerError
 from parties.learning.bottom import BottomTrainer
-from parties.learning.embedding_dp import RDP_ORDERS, EmbeddingDP, PrivacyConfig, epsilon_after
+from parties.learning.embedding_noise import EmbeddingNoise, PrivacyConfig
 from parties.learning.model import BottomConfig
 from tests.training_helpers import federation
 
@@ -25,101 +25,38 @@ BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hi
 def test_embedding_dp_clips_noises_and_counts() -> None:
     z = torch.randn(50, 8) * 10
     rows = torch.arange(50)
-    clipped = EmbeddingDP(PrivacyConfig(clip=1.0, noise=0.0), 100).release(z, rows)
+    clipped = EmbeddingNoise(PrivacyConfig(clip=1.0, noise=0.0), 100).release(z, rows)
     assert torch.all(clipped.norm(dim=1) <= 1.0 + 1e-6)
     small = torch.full((3, 8), 0.01)
-    assert torch.equal(EmbeddingDP(PrivacyConfig(clip=1.0), 10).release(small, torch.arange(3)), small)
-    dp = EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0), 100)
+    assert torch.equal(EmbeddingNoise(PrivacyConfig(clip=1.0), 10).release(small, torch.arange(3)), small)
+    dp = EmbeddingNoise(PrivacyConfig(clip=1.0, noise=2.0), 100)
     a, b = dp.release(z, rows), dp.release(z, rows)
     assert not torch.equal(a, b)  # fresh noise on every release
     # The noise is the partner's secret: another session draws other noise; only a pin repeats it.
-    assert not torch.equal(a, EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0), 100).release(z, rows))
-    pinned = [EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.0, seed=4), 100).release(z, rows) for _ in range(2)]
+    assert not torch.equal(a, EmbeddingNoise(PrivacyConfig(clip=1.0, noise=2.0), 100).release(z, rows))
+    pinned = [EmbeddingNoise(PrivacyConfig(clip=1.0, noise=2.0, seed=4), 100).release(z, rows) for _ in range(2)]
     assert torch.equal(*pinned)
     assert dp.releases[:50].tolist() == [2] * 50 and dp.releases[50:].sum() == 0
-    assert dp.epsilon() == pytest.approx(epsilon_after(2, 1.0, 1e-5))
 
 
-def test_accounting_has_no_subsampling_amplification() -> None:
-    # Noise multiplier 2 (σ = 4, C = 1): ε grows with every release of a row, as PRIVACY-NOTES computes.
-    eps = [epsilon_after(k, 2.0, 1e-5) for k in (1, 10, 50)]
-    assert 1.5 < eps[0] < 2.5 and 6.5 < eps[1] < 9 and 18 < eps[2] < 24
-
-
-def _accountants_epsilon(releases: int, noise_multiplier: float, delta: float) -> float:
-    """What Opacus's RDPAccountant reports after ``releases`` steps at sampling rate 1 (its public ``step``)."""
-    from opacus.accountants import RDPAccountant
-
-    accountant = RDPAccountant()
-    for _ in range(releases):
-        accountant.step(noise_multiplier=noise_multiplier, sample_rate=1.0)
-    return float(accountant.get_epsilon(delta))
-
-
-@pytest.mark.parametrize(("releases", "noise_multiplier", "delta"), [
-    (1, 2.0, 1e-5), (3, 0.25, 1e-5), (10, 0.25, 1e-5), (20, 1.0, 1e-5), (60, 1.0, 1e-6), (100, 1.0, 1e-5),
-    (30, 0.5, 1e-5), (400, 4.0, 1e-3),
-])
-def test_epsilon_is_the_accountants(releases: int, noise_multiplier: float, delta: float) -> None:
-    assert epsilon_after(releases, noise_multiplier, delta) == pytest.approx(
-        _accountants_epsilon(releases, noise_multiplier, delta), rel=0, abs=1e-9)
-
-
-def test_epsilon_uses_the_accountants_orders_and_known_figures() -> None:
-    from opacus.accountants import RDPAccountant
-
-    assert list(RDP_ORDERS) == list(RDPAccountant.DEFAULT_ALPHAS)
-    # The README's privacy table: C=1 with σ=2 and σ=0.5 (noise multipliers 1 and 0.25), 10 epochs, each row
-    # released once per epoch: ε 19 and 139.
-    assert epsilon_after(10, 1.0, 1e-5) == pytest.approx(19.0536, abs=1e-4)
-    assert epsilon_after(10, 0.25, 1e-5) == pytest.approx(138.6884, abs=1e-4)
-
-
-def test_epsilon_grows_with_every_release_and_is_cached() -> None:
-    eps = [epsilon_after(k, 1.0, 1e-5) for k in range(0, 40)]
-    assert eps[0] == 0.0 and all(b > a > 0 for a, b in zip(eps[1:], eps[2:]))
-    before = epsilon_after.cache_info().hits
-    epsilon_after(39, 1.0, 1e-5)
-    assert epsilon_after.cache_info().hits == before + 1
-    assert epsilon_after(5, 0.0, 1e-5) == float("inf")
-
-
-def test_epsilon_fails_loudly_without_opacus_analysis(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An Opacus that moved its RDP analysis must stop the run, not report ε = 0."""
-    import sys
-
-    epsilon_after.cache_clear()
-    monkeypatch.setitem(sys.modules, "opacus.accountants.analysis.rdp", None)
-    try:
-        with pytest.raises(ConfigError, match="compute_rdp, get_privacy_spent"):
-            epsilon_after(7, 1.3, 1e-5)
-        with pytest.raises(ConfigError):
-            EmbeddingDP(PrivacyConfig(clip=1.0, noise=2.6, budget=100.0), 10).check(torch.arange(3))
-    finally:
-        epsilon_after.cache_clear()
-
-
-def test_a_release_over_budget_is_refused_and_changes_nothing() -> None:
-    trainer = BottomTrainer(np.random.rand(20, 5).astype(np.float32), BottomConfig(cut_width=4),
-                            PrivacyConfig(clip=1.0, noise=2.0, budget=epsilon_after(2, 1.0, 1e-5) + 0.01))
-    rows = torch.arange(10)
-    trainer.step(0, None, rows)
-    trainer.step(1, torch.zeros(10, 4), rows)  # the second release of rows 0-9
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    with pytest.raises(BudgetExhausted, match="over the budget"):
-        trainer.step(2, torch.zeros(10, 4), rows)
-    assert trainer.next_step == 2 and all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-    assert trainer.embed(torch.arange(10, 20)).shape == (10, 4)  # other rows still have budget
-
-
-def test_partners_report_their_epsilon_every_epoch(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
+def test_embedding_noise_claims_no_epsilon_and_counts_releases(pki, bank_full: Path, tmp_path: Path,
+                                                                start_partner) -> None:
+    """Embedding noise is obfuscation: the bottom trains on every row without per-sample clipping or noise, so a
+    per-row ε would bound nothing. The partner says how often each row was released, and no ε anywhere."""
     paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
     start = lambda data, **kw: start_partner(data, privacy=PrivacyConfig(clip=1.0, noise=4.0), **kw)  # noqa: E731
     with federation(pki, paths, start, tmp_path, BOTTOMS) as fed:
-        outcome = fed.coordinator(TrainingConfig(epochs=3, batch_size=64), BOTTOMS["bank"]).run()
-    eps = [row["epsilon_partner"] for row in outcome.history]
-    # Each epoch releases every training row once and every validation row once: one release per row.
-    assert eps == pytest.approx([epsilon_after(k, 2.0, 1e-5) for k in (1, 2, 3)])
+        coordinator = fed.coordinator(TrainingConfig(epochs=3, batch_size=64, max_steps=40), BOTTOMS["bank"])
+        partner = coordinator.parties[1]
+        reports = []
+        original = partner.privacy
+        partner.privacy = lambda: reports.append(original()) or reports[-1]  # what the bank reads every epoch
+        outcome = coordinator.run()
+    report = reports[-1]
+    assert report.enabled and report.max_releases >= 2  # every epoch released every training row at least once
+    assert "epsilon" not in report.model_dump() and not any(k.startswith("epsilon") for k in outcome.history[-1])
+    with pytest.raises(ValueError):
+        PrivacyConfig(clip=1.0, budget=3.0)  # an ε budget is not a setting any more
 
 
 def test_randomized_response_flips_once_at_the_stated_rate() -> None:

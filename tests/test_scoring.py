@@ -117,7 +117,7 @@ def test_score_cli_reports_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_scoring_releases_are_noised_and_counted_under_embedding_dp(pki, bank_full, tmp_path, start_partner, start_bank) -> None:
-    from parties.learning.embedding_dp import PrivacyConfig
+    from parties.learning.embedding_noise import PrivacyConfig
 
     paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
     partner = start_partner(paths["partner"], privacy=PrivacyConfig(clip=1.0, noise=1.0))

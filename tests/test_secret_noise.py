@@ -20,7 +20,7 @@ from bank.defenses import flip_probability
 from bank.schedule import epoch_batches
 from data.prepare import prepare_bank_marketing
 from parties.learning.config import MonitorConfig, PrivacyConfig
-from parties.learning.embedding_dp import EmbeddingDP
+from parties.learning.embedding_noise import EmbeddingNoise
 from parties.learning.hijack_monitor import HijackMonitor
 from parties.learning.secret import Secret
 
@@ -84,7 +84,7 @@ def test_gradient_noise_cannot_be_regenerated_by_the_partner(fed, defense: str) 
 
 def test_embedding_noise_cannot_be_regenerated_by_the_bank() -> None:
     z = torch.randn(200, 16)
-    dp = EmbeddingDP(PrivacyConfig(clip=4.0, noise=0.4), 200)  # the defaults: no pin
+    dp = EmbeddingNoise(PrivacyConfig(clip=4.0, noise=0.4), 200)  # the defaults: no pin
     noise = [dp.release(z, torch.arange(200)) - dp.clipped(z) for _ in range(3)]
     for draw, observed in enumerate(noise):
         for guess in (torch.randn(z.shape, generator=_hash_seeded(0, draw)),

@@ -339,8 +339,7 @@ def hijack_study(run: Run) -> str | None:
 
 #: What the per-defense tables show: the knob, the price, and what still leaks.
 FRONTIER_COLUMNS = ["setting", "knob", "test_roc_auc", "auc_cost", "strongest_label_leak_auc", "strongest_label_attack",
-                    "strongest_gradient_leak_auc", "model_completion_advantage", "inversion_r2_advantage",
-                    "partner_epsilon"]
+                    "strongest_gradient_leak_auc", "model_completion_advantage", "inversion_r2_advantage", "inversion_r2_max"]
 
 
 def privacy_frontiers(table: pd.DataFrame) -> dict[str, pd.DataFrame]:

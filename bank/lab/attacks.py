@@ -22,7 +22,8 @@ from torch import nn
 
 from parties.learning.model import mlp
 
-__all__ = ["CompletionConfig", "completion_scores", "cosine_scores", "mean_by_row", "norm_scores"]
+__all__ = ["CompletionConfig", "completion_scores", "cosine_scores", "few_label_scores", "gradient_features",
+           "label_free_scores", "mean_by_row", "norm_scores"]
 
 
 def norm_scores(grads: np.ndarray) -> np.ndarray:
@@ -47,6 +48,79 @@ def mean_by_row(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.nda
     np.add.at(sums, inverse, grads)
     counts = np.bincount(inverse, minlength=len(unique))[:, None]
     return unique, sums / counts
+
+
+# --- attacks that need neither the code's help nor a known positive ------------------------------------------
+#
+# A binary task's gradients are close to one-dimensional in each batch: the factor (p - y) puts each row on
+# one side of the batch's top direction or the other. A defense that blurs only the class-mean difference,
+# or gives one class more spread off that direction than the other, is read without any label by how far
+# each row sits from that direction and which side it falls on, across epochs.
+
+
+def gradient_features(rows: np.ndarray, steps: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, what an attacker measures of its gradients against each batch's top singular direction.
+
+    In each step's batch the top right singular vector v is oriented so that the minority of rows lies on its
+    positive side (the positives, on an imbalanced task). Per row, over every step that carried it: the mean
+    and spread of its projection on v, the mean energy off v (absolute and as a share of its norm), and the
+    mean norm. Returns the rows (ascending) and their features, one row each (standardised columns).
+    """
+    grads = np.asarray(grads, dtype=np.float64)
+    projection = np.zeros(len(grads))
+    residual = np.zeros(len(grads))
+    for step in np.unique(steps):
+        at = np.flatnonzero(steps == step)
+        g = grads[at]
+        _, _, vt = np.linalg.svd(g, full_matrices=False)
+        v = vt[0]
+        p = g @ v
+        if (p > 0).mean() > 0.5:  # the minority side is the positive one
+            v, p = -v, -p
+        projection[at] = p
+        residual[at] = np.linalg.norm(g - np.outer(p, v), axis=1)
+    norm = np.linalg.norm(grads, axis=1)
+    share = np.divide(residual**2, norm**2, out=np.zeros_like(norm), where=norm > 0)
+    unique, inverse = np.unique(rows, return_inverse=True)
+    counts = np.bincount(inverse, minlength=len(unique))
+
+    def mean(x: np.ndarray) -> np.ndarray:
+        return np.bincount(inverse, weights=x, minlength=len(unique)) / counts
+
+    p_mean = mean(projection)
+    p_std = np.sqrt(np.maximum(mean(projection**2) - p_mean**2, 0.0))
+    features = np.column_stack([p_mean, p_std, mean(residual), mean(share), mean(norm)])
+    spread = features.std(axis=0)
+    return unique, (features - features.mean(axis=0)) / np.where(spread > 0, spread, 1.0)
+
+
+def label_free_scores(features: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
+    """Scores with no label at all, from ``gradient_features``: the off-direction energy alone, a 2-component
+    Gaussian mixture and k-means (the smaller cluster taken as positive). Orientation does not matter: the leak
+    AUC counts a reversed ranking as the leak it is."""
+    from sklearn.cluster import KMeans
+    from sklearn.mixture import GaussianMixture
+
+    out = {"off_direction": features[:, 2], "projection": features[:, 0]}
+    gmm = GaussianMixture(2, covariance_type="full", random_state=seed, n_init=3).fit(features)
+    proba = gmm.predict_proba(features)
+    minority = int(np.argmin(proba.sum(axis=0)))
+    out["mixture"] = proba[:, minority]
+    kmeans = KMeans(2, random_state=seed, n_init=10).fit(features)
+    minority = int(np.argmin(np.bincount(kmeans.labels_, minlength=2)))
+    distance = kmeans.transform(features)
+    out["kmeans"] = distance[:, 1 - minority] - distance[:, minority]
+    return out
+
+
+def few_label_scores(features: np.ndarray, known: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A logistic regression on ``gradient_features`` fitted on the ``known`` rows' ``labels``: the positions of
+    every other row and their scores."""
+    from sklearn.linear_model import LogisticRegression
+
+    model = LogisticRegression(max_iter=1000).fit(features[known], labels)
+    others = np.setdiff1d(np.arange(len(features)), known)
+    return others, model.decision_function(features[others])
 
 
 @dataclass(frozen=True)

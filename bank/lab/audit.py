@@ -39,6 +39,9 @@ from bank.lab.attacks import (
     CompletionConfig,
     completion_scores,
     cosine_scores,
+    few_label_scores,
+    gradient_features,
+    label_free_scores,
     mean_by_row,
     norm_scores,
 )
@@ -49,6 +52,7 @@ from parties.learning.trained_bottom import ScoringBottom
 from parties.tables.encoding import TabularEncoder
 
 __all__ = [
+    "KNOWN_LABELS", "label_free_leakage", "label_free_table",
     "completion_leakage", "draw_known", "inversion_probe", "inversion_rows", "label_leakage", "leakage_rows",
     "load_bottom", "model_completion",
 ]
@@ -89,10 +93,40 @@ def leakage_rows(partner: str, g: dict[str, np.ndarray], targets: np.ndarray) ->
     return rows
 
 
+#: How many labels the few-label attack knows, in the audit and the studies.
+KNOWN_LABELS = (10, 50)
+
+
+def label_free_leakage(g: dict[str, np.ndarray], targets: np.ndarray, *, known: tuple[int, ...] = KNOWN_LABELS,
+                       draws: int = 5, seed: int = 0) -> dict[str, float]:
+    """Leak AUCs of the attacks that need no known positive and no help from the code, from one partner's
+    recorded gradients: off-direction energy, the mixture model and k-means on per-row gradient features
+    across epochs (no label at all), and a logistic regression on them with ``known`` labels (mean over
+    ``draws`` draws of the known rows)."""
+    rows, features = gradient_features(g["rows"], g["step"], g["grads"])
+    labels = targets[rows]
+    out = {f"{name}_leak_auc": _leak_auc(labels, scores) for name, scores in label_free_scores(features, seed).items()}
+    for count in known:
+        aucs = []
+        for draw in range(seed, seed + draws):
+            picked = draw_known(labels, count, draw)
+            others, scores = few_label_scores(features, picked, labels[picked])
+            aucs.append(_leak_auc(labels[others], scores))
+        out[f"few_label_{count}_leak_auc"] = float(np.mean(aucs))
+    return out
+
+
 def label_leakage(run: Run, partition: Path | None = None) -> pd.DataFrame:
     """Leak AUC of the norm and direction attacks, per partner and epoch, and across epochs."""
     _, targets, _ = joined_features(run, partition)
     return pd.DataFrame([r for partner in run.partners for r in leakage_rows(partner, _gradients(run, partner), targets)])
+
+
+def label_free_table(run: Run, partition: Path | None = None) -> pd.DataFrame:
+    """Per partner, the label-free and few-label attacks' leak AUCs (``label_free_leakage``)."""
+    _, targets, _ = joined_features(run, partition)
+    return pd.DataFrame([{"partner": partner, **label_free_leakage(_gradients(run, partner), targets)}
+                         for partner in run.partners])
 
 
 def draw_known(labels: np.ndarray, count: int, seed: int) -> np.ndarray:

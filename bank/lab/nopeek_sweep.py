@@ -51,7 +51,6 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
         "auc_cost_max": grouped["auc_cost"].max(),
         "inversion_adv": grouped["inversion_r2_advantage"].mean(),
         "inversion_adv_max": grouped["inversion_r2_advantage"].max(),
-        "partner_eps": grouped["partner_epsilon"].mean(),
         "runs": grouped.size(),
     })
 

@@ -31,11 +31,11 @@ import torch
 
 from bank.config import MAX_AUTO_BATCH, TrainingConfig
 from bank.in_process_party import InProcessParty
-from bank.lab.audit import completion_leakage, inversion_rows, leakage_rows, load_bottom
+from bank.lab.audit import completion_leakage, inversion_rows, label_free_leakage, leakage_rows, load_bottom
 from bank.task import Task
 from bank.trainer import Coordinator
 from data.prepare import prepare_bank_marketing
-from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.tables.encoding import TabularEncoder
@@ -49,13 +49,16 @@ __all__ = [
 #: The partner's bottom in the study unless a sweep gives another.
 PARTNER_BOTTOM = BottomConfig(seed=1)
 
-#: The label attacks' leak-AUC columns; ``strongest_label_leak_auc`` is their maximum.
-LABEL_ATTACKS = ("norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
-                 "cross_epoch_direction_leak_auc", "model_completion_leak_auc")
+#: The attacks on the gradients a partner receives (what a gradient defense can act on): the norm and direction
+#: attacks per epoch and on row means, and those that need no known positive and no help from the code (the
+#: off-direction energy, a mixture model and k-means on per-row gradient features, a logistic regression on them
+#: with 10 and 50 known labels; ``bank.lab.audit.label_free_leakage``).
+GRADIENT_ATTACKS = ("norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
+                    "cross_epoch_direction_leak_auc", "off_direction_leak_auc", "projection_leak_auc",
+                    "mixture_leak_auc", "kmeans_leak_auc", "few_label_10_leak_auc", "few_label_50_leak_auc")
 
-
-#: The attacks on the gradients a partner receives (what a gradient defense can act on).
-GRADIENT_ATTACKS = LABEL_ATTACKS[:4]
+#: Every label attack's leak-AUC column; ``strongest_label_leak_auc`` is their maximum.
+LABEL_ATTACKS = (*GRADIENT_ATTACKS, "model_completion_leak_auc")
 
 
 @dataclass(frozen=True)
@@ -75,33 +78,37 @@ class Setting:
 
 def default_settings() -> list[Setting]:
     """Every defense, each swept over its knob; and the combinations the single defenses point to."""
+    matched = {"gradient_defense": "matched"}
+    persistent = {"marvell_persistence": 1.0}
     return [
         Setting("no defense"),
         *(Setting(f"label DP (RR, ε={e:g})", {"label_dp_epsilon": e}, defense="label DP", knob=e) for e in (3.0, 1.0, 0.5)),
         Setting("max-norm gradients", {"gradient_defense": "max_norm"}, defense="max-norm"),
         *(Setting(f"isotropic gradient noise ×{k:g}", {"gradient_defense": "isotropic", "gradient_noise": k},
                   defense="isotropic noise", knob=k) for k in (1.0, 4.0)),
+        # The paper's noise model (each class spread alike in every direction), for comparison: label-free
+        # attacks read it (the class it gives off-direction noise stands out).
         *(Setting(f"Marvell (s={k:g})", {"gradient_defense": "marvell", "marvell_power": k}, defense="Marvell", knob=k)
+          for k in (1.0, 4.0)),
+        *(Setting(f"Marvell persistent (s={k:g}, ρ=1)", {"gradient_defense": "marvell", "marvell_power": k, **persistent},
+                  defense="Marvell, persistent", knob=k) for k in (1.0, 4.0)),
+        # Covariance-matched noise: each class gets the other's covariance, both the same noise along the mean
+        # difference; persistent: each row's draw is the same at every step.
+        *(Setting(f"matched (s={k:g})", {**matched, "marvell_power": k}, defense="matched", knob=k)
           for k in (0.25, 1.0, 4.0, 16.0)),
-        # The same noise per batch, but each row's drawn once for the run: averaging over epochs keeps it.
-        *(Setting(f"Marvell persistent (s={k:g}, ρ=1)", {"gradient_defense": "marvell", "marvell_power": k,
-                                                        "marvell_persistence": 1.0}, defense="Marvell, persistent", knob=k)
-          for k in (1.0, 4.0, 16.0)),
-        *(Setting(f"embedding DP (C=1, σ={k:g})", privacy=PrivacyConfig(clip=1.0, noise=k), defense="embedding DP",
+        *(Setting(f"matched persistent (s={k:g}, ρ=1)", {**matched, "marvell_power": k, **persistent},
+                  defense="matched, persistent", knob=k) for k in (0.25, 1.0, 4.0, 16.0)),
+        *(Setting(f"embedding noise (C=1, σ={k:g})", privacy=PrivacyConfig(clip=1.0, noise=k), defense="embedding noise",
                   knob=k) for k in (0.5, 2.0)),
         # Past α ≈ 0.1 NoPeek falls off a cliff (it silences the bottom's ReLU outputs): the sweep stays below.
         *(Setting(f"NoPeek (α={k:g})", privacy=PrivacyConfig(nopeek=k), defense="NoPeek", knob=k)
           for k in (0.01, 0.03, 0.05, 0.1)),
-        Setting("Marvell (s=4) + label DP (ε=1)", {"gradient_defense": "marvell", "marvell_power": 4.0,
-                                                    "label_dp_epsilon": 1.0}, defense="combined"),
-        Setting("Marvell persistent (s=1) + label DP (ε=3)", {"gradient_defense": "marvell", "marvell_power": 1.0,
-                                                               "marvell_persistence": 1.0, "label_dp_epsilon": 3.0},
-                defense="combined"),
-        # The README's recommendation, measured together: NoPeek at the partner, persistent Marvell at the bank.
-        Setting("NoPeek (α=0.05) + Marvell persistent (s=1)", {"gradient_defense": "marvell", "marvell_power": 1.0,
-                                                               "marvell_persistence": 1.0},
+        Setting("matched persistent (s=1) + label DP (ε=3)", {**matched, "marvell_power": 1.0, **persistent,
+                                                              "label_dp_epsilon": 3.0}, defense="combined"),
+        Setting("matched persistent (s=4) + label DP (ε=1)", {**matched, "marvell_power": 4.0, **persistent,
+                                                              "label_dp_epsilon": 1.0}, defense="combined"),
+        Setting("NoPeek (α=0.05) + matched persistent (s=1)", {**matched, "marvell_power": 1.0, **persistent},
                 PrivacyConfig(nopeek=0.05), defense="combined"),
-        # Embedding noise this small is obfuscation, not DP (ε in the thousands): the ε column says so.
         Setting("NoPeek (α=0.05) + embedding noise (C=4, σ=0.4)", privacy=PrivacyConfig(nopeek=0.05, clip=4.0, noise=0.4),
                 defense="combined"),
     ]
@@ -139,8 +146,9 @@ class Federation:
 
 
 def _inversion_advantage(fed: Federation, coordinator: Coordinator, record: dict[str, torch.Tensor],
-                         seed: int) -> float:
-    """Mean R² advantage over the partner's features; encoders fitted on the training rows, as the parties do."""
+                         seed: int) -> dict[str, Any]:
+    """The R² advantage over the partner's features, their mean and their maximum (a mean can hide one feature
+    decoded almost exactly); encoders fitted on the training rows, as the parties do."""
     positions = record["rows"].numpy()
     features, names = {}, []
     for name, table in (("bank", fed.bank), ("partner", fed.partner)):
@@ -149,7 +157,9 @@ def _inversion_advantage(fed: Federation, coordinator: Coordinator, record: dict
         features[name] = encoder.transform(frame.iloc[positions])
         names = encoder.feature_names()
     rows = inversion_rows("partner", record["embedding"].numpy(), features["partner"], features["bank"], names, seed)
-    return float(np.mean([r["advantage"] for r in rows]))
+    worst = max(rows, key=lambda r: r["advantage"])
+    return {"inversion_r2_advantage": float(np.mean([r["advantage"] for r in rows])),
+            "inversion_r2_max": float(worst["advantage"]), "inversion_worst_feature": worst["feature"]}
 
 
 def leak(auc: float) -> float:
@@ -196,6 +206,7 @@ def measure(
         "direction_leak_auc": float(np.mean([r["direction_leak_auc"] for r in per_epoch])),
         "cross_epoch_norm_leak_auc": pooled["norm_leak_auc"],
         "cross_epoch_direction_leak_auc": pooled["direction_leak_auc"],
+        **label_free_leakage(grads, targets, seed=seed),
         **completion,
     }
     strongest = max(LABEL_ATTACKS, key=lambda c: leak(row[c]))
@@ -204,9 +215,7 @@ def measure(
         "strongest_label_attack": strongest.removesuffix("_leak_auc"),
         # What the gradients alone give away: the attacks a gradient defense can act on.
         "strongest_gradient_leak_auc": max(leak(row[c]) for c in GRADIENT_ATTACKS),
-        "inversion_r2_advantage": _inversion_advantage(fed, coordinator, tensors["embeddings-partner"], seed),
-        # ε after the last epoch's training and validation releases (δ = 1e-5); inf: no embedding DP.
-        "partner_epsilon": outcome.history[-1].get("epsilon_partner", math.inf),
+        **_inversion_advantage(fed, coordinator, tensors["embeddings-partner"], seed),
         "label_dp_epsilon": training.label_dp_epsilon if training.label_dp_epsilon is not None else math.inf,
     }
     return row

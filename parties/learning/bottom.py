@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
 from parties.learning import fast_path
 from parties.learning.config import LocalSteps
-from parties.learning.embedding_dp import EmbeddingDP, PrivacyConfig
+from parties.learning.embedding_noise import EmbeddingNoise, PrivacyConfig
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom, build_optimizer
 from parties.learning.nopeek import NoPeek
@@ -96,8 +96,8 @@ class BottomTrainer:
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
-        self.dp = (EmbeddingDP(privacy, self.x.shape[0], self.secret)
-                   if privacy is not None and privacy.embedding_dp else None)
+        self.dp = (EmbeddingNoise(privacy, self.x.shape[0], self.secret)
+                   if privacy is not None and privacy.embedding_noise else None)
         self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
         self.monitor = HijackMonitor(monitor, self.secret) if monitor is not None and monitor.active else None
         if self.secret.pinned is not None and (self.dp is not None or self.monitor is not None):
@@ -160,8 +160,6 @@ class BottomTrainer:
             if rows is not None and self.local is not None and rows.numel() > self.local.steps * self.local.batch:
                 raise BadMessage(f"a step holds at most {self.local.steps} batches of {self.local.batch} rows, "
                                  f"got {rows.numel()} rows")
-            if self.dp is not None and rows is not None:
-                self.dp.check(rows)
             if self.monitor is not None:
                 if grad is not None:
                     self.monitor.observe(step, grad)

@@ -33,30 +33,27 @@ class BottomConfig(OptimizerConfig):
 
 
 class PrivacyConfig(BaseModel):
-    """A partner's own privacy settings: embedding DP (off unless ``clip`` is set) and NoPeek (off at 0).
-
-    Either works without the other.
+    """A partner's own privacy settings: embedding noise (off unless ``clip`` is set; obfuscation, no ε:
+    ``parties.learning.embedding_noise``) and NoPeek (off at 0). Either works without the other.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     clip: float | None = Field(None, gt=0, description="L2 bound on each released embedding row")
     noise: float = Field(0.0, ge=0, description="Gaussian noise std added to each coordinate")
-    delta: float = Field(1e-5, gt=0, lt=1)
-    budget: float | None = Field(None, gt=0, description="refuse releases past this ε")
     seed: int | None = Field(None, description="pin the partner's embedding noise for a study that must repeat (the "
                              "bank, knowing the pin, can regenerate it); default: a secret drawn for each session")
     nopeek: float = Field(0.0, ge=0, allow_inf_nan=False, description="weight α of α·dCor(features, embedding) "
                           "added to this partner's own loss on each training batch (NoPeek; 0: off)")
 
     @property
-    def embedding_dp(self) -> bool:
+    def embedding_noise(self) -> bool:
         return self.clip is not None
 
     @property
     def active(self) -> bool:
         """Whether any of these settings changes what the partner computes."""
-        return self.embedding_dp or self.nopeek > 0
+        return self.embedding_noise or self.nopeek > 0
 
 
 class MonitorConfig(BaseModel):

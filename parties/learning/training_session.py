@@ -15,7 +15,7 @@ from safetensors.torch import save as save_tensors
 from parties.errors import BadMessage, OutOfOrder, StorageError
 from parties.learning.bottom import BottomTrainer
 from parties.learning.config import LocalSteps
-from parties.learning.embedding_dp import PrivacyConfig
+from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint

@@ -100,16 +100,13 @@ class RestoreRequest(Message):
 
 
 class PrivacyReport(Message):
-    """What a partner's own privacy settings did so far: its embedding-DP spend (``enabled``: DP is on; the ε of
-    its most-released row), and NoPeek's weight and the dCor it measured (both None when NoPeek is off)."""
+    """What a partner's own privacy settings did so far: embedding noise (``enabled``; how often its most-released
+    row was released: no ε is claimed, ``parties.learning.embedding_noise``), and NoPeek's weight and the dCor it
+    measured (both None when NoPeek is off)."""
 
     session: str
     enabled: bool
-    epsilon: float | None = None
-    delta: float | None = None
     max_releases: int | None = None
-    noise_multiplier: float | None = None
-    budget: float | None = None
     nopeek: float | None = Field(None, description="NoPeek's weight α")
     dcor: float | None = Field(None, description="NoPeek: mean dCor(features, embedding) over the training batches "
                                "of the last finished epoch")
