@@ -370,7 +370,9 @@ def check_id_types(own: IdType, theirs: IdType, us: str, them: str) -> None:
 
 def check_minimum(size: int, minimum: int, who: str) -> None:
     if size == 0:
-        raise IntersectionTooSmall(f"the intersection with {who} is empty")
+        raise IntersectionTooSmall(
+            f"the intersection with {who} is empty: check that both parties' files hold the same customers and write "
+            "their IDs alike (text IDs 0012 and 12 are two customers; integer IDs are one)")
     if size < minimum:
         raise IntersectionTooSmall(
             f"the intersection with {who} has {size} customers, under the minimum of {minimum}"

@@ -98,6 +98,10 @@ def train(args: argparse.Namespace) -> int:
         job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
         result = _follow(operator, job, "training")
     print(json.dumps({k: result[k] for k in ("session", "run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+    if "test_note" in result:
+        print(f"warning: {result['test_note']}", file=sys.stderr)
+    if result.get("positive_label"):
+        print(f"scores are the probability that the label is {result['positive_label']!r}", file=sys.stderr)
     for setting, why in result.get("defaults_chosen", {}).items():
         print(f"{setting}: {why}", file=sys.stderr)
     rollbacks = result.get("timings", {}).get("rollbacks", 0)
@@ -169,8 +173,13 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
     from tqdm import tqdm
 
     with tqdm(total=1000, desc=desc, bar_format="{l_bar}{bar}| {postfix}") as bar:
+        shown = 0  # events already printed
 
         def show(status: JobStatus) -> None:
+            nonlocal shown
+            for event in status.events[shown:]:  # a retry, a rollback: a line of its own, not just the bar's
+                bar.write(f"{desc}: {event}", file=sys.stderr)
+            shown = len(status.events)
             bar.n = int(1000 * (status.fraction or 0))
             bar.set_postfix_str(status.progress[:110])
 
@@ -321,6 +330,8 @@ def print_summary(out: Path, summary: dict[str, Any]) -> None:
     print(f"\nTest metrics (best epoch {summary['best_epoch']} of {summary['epochs_run']}):")
     for metric, value in test.items():
         print(f"  {metric:<10}{value:8.4f}")
+    if "test_note" in summary:
+        print(f"  ({summary['test_note']})")
     for subset, info in summary.get("subsets", {}).items():
         if info["model"] == "joint":
             continue

@@ -171,7 +171,7 @@ class BankCore:
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
             partners = [proxies.enter_context(p) for p in self._proxies(client, list(urls)).values()]
             for partner in partners:  # a partner restarting: the operator sees the retries, not a frozen bar
-                partner.on_retry = lambda message: progress(message, None)
+                partner.on_retry = lambda message: progress(message, None, event=True)
             self._release_abandoned(partners)
             own = InProcessParty(
                 self.settings.name, self.table, lambda: alignment, config.bank_bottom,
@@ -180,7 +180,7 @@ class BankCore:
             )
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
-                session_id=session_id, progress=lambda msg, frac=None: progress(msg, frac),
+                session_id=session_id, progress=lambda msg, frac=None, event=False: progress(msg, frac, event),
                 checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
             config = coordinator.config  # with what adapts to the table set: a resume needs nothing else
@@ -210,7 +210,7 @@ class BankCore:
         # What a file of customers to score holds: the bank's own file is one (it scores every customer).
         scoring = {"data": str(Path(self.settings.data).resolve()),
                    "columns": [self.table.id_column, *self.table.schema.columns]}
-        return {"run_dir": str(run_dir), **metrics, "scoring": scoring}
+        return {"run_dir": str(run_dir), **metrics, "scoring": scoring, "positive_label": task.positive_label}
 
     def _release_abandoned(self, partners: list[HttpPartner]) -> None:
         """Unload, at each partner, this bank's sessions that no job of this process runs: what a crash
@@ -334,7 +334,8 @@ class BankCore:
         try:
             table = load_party_table(upload, self.table.id_column, schema=own.encoder.schema,
                                      id_type=self.table.id_type)
-            judge_drift({self.settings.name: own.encoder.drift(table.features)}, accept_drift)
+            judge_drift({self.settings.name: own.encoder.drift(table.features)}, accept_drift,
+                        {self.settings.name: len(table)})
         except DataError as exc:
             shutil.rmtree(upload.parent, ignore_errors=True)
             raise DataError(str(exc).replace(str(upload), "the customers file")) from exc

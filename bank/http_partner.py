@@ -113,6 +113,7 @@ class HttpPartner:
         self.durable: int | None = None  # the newest step the partner says it has on disk
         # Told each retry of a silent partner, in words for the operator (the job's progress line).
         self.on_retry: Callable[[str], None] | None = None
+        self._retry_told = 0  # the last ten seconds of an outage the operator was told of
         self.precision: Precision = "fp32"  # how this session's step tensors travel (agreed at its start)
 
     def close(self) -> None:
@@ -246,7 +247,10 @@ class HttpPartner:
             self.retries += 1
             logger.warning("partner %s did not answer (%s); retrying in %.2fs", self.name, what,
                            state.next_action.sleep if state.next_action else 0.0)
-            if self.on_retry is not None:
+            # Told at the first retry of an outage, then every 10 s: the operator sees it, and not 20 lines of it.
+            if self.on_retry is not None and (state.attempt_number == 1 or
+                                              state.seconds_since_start // 10 > self._retry_told):
+                self._retry_told = int(state.seconds_since_start // 10)
                 self.on_retry(f"partner {self.name!r} is not answering ({what}): retrying for up to "
                               f"{self.retry_deadline:.0f} s, {state.seconds_since_start:.0f} s so far")
 

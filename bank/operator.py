@@ -88,11 +88,11 @@ class BankOperator:
         self, job: JobStatus, on_progress: Callable[[JobStatus], None] | None = None, poll: float = 0.2
     ) -> dict[str, Any]:
         """Poll until the job ends; return its result or raise with its error."""
-        seen = ""
+        seen: tuple[str, int] = ("", 0)
         while True:
             job = self.job(job.job_id)
-            if on_progress is not None and job.progress != seen:
-                seen = job.progress
+            if on_progress is not None and (job.progress, len(job.events)) != seen:
+                seen = (job.progress, len(job.events))
                 on_progress(job)
             if job.state == "succeeded":
                 return job.result or {}

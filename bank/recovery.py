@@ -95,7 +95,8 @@ class Recovery:
             return self._restart(optimizer, cause)
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
-        self.progress(f"a party restarted; rolling every party back to step {step}", None)
+        self.progress(f"a party restarted; rolling every party back to step {step}, the newest all of them "
+                      "checkpointed", None, event=True)
         for p in self.parties:
             p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
@@ -119,7 +120,7 @@ class Recovery:
         assert self.top is not None
         logger.warning("session %s: %s; no step is checkpointed by every party: starting again from the start",
                        self.session_id, cause)
-        self.progress("a party restarted before any common checkpoint; starting the session again", None)
+        self.progress("a party restarted before any common checkpoint; starting the session again", None, event=True)
         self.local_top.cache.clear()
         top, fresh = self._start()
         self.top.load_state_dict(top.state_dict())

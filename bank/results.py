@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 from safetensors.torch import save as save_tensors
 
+from bank.calibration import MIN_METRIC_ROWS
 from bank.config import TrainingConfig
 from bank.manifest import Manifest, PartyEntry, write_manifest
 from bank.subsets import SubsetModels
@@ -114,6 +115,10 @@ def write_run(
         "task": task.kind,
         "rows": {k: int(len(v)) for k, v in splits.items()},
         "test": outcome.test_metrics,
+        # The test metrics of a small table are figures of a few rows: said, next to them.
+        **({"test_note": f"the test metrics are of {len(test)} customers (fewer than {MIN_METRIC_ROWS}): too few to "
+                         "judge the model by; a larger test_fraction or more customers give figures to act on"}
+           if len(test) < MIN_METRIC_ROWS else {}),
         # Per subset of the parties scoring can meet, its model and how it did on held-out customers.
         "subsets": subsets.held_out if subsets is not None else {},
         "defaults_chosen": chosen or {},

@@ -136,7 +136,7 @@ def score_customers(
 
     customers = _Customers(table, names)
     customers.drift[bank_name] = own.encoder.drift(table.features)
-    judge_drift({bank_name: customers.drift[bank_name]}, accept_drift)  # the bank's own columns: before any PSI
+    judge_drift({bank_name: customers.drift[bank_name]}, accept_drift, {bank_name: len(table)})  # before any PSI
     own_features, customers.fallbacks[bank_name] = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
     customers.embeddings[bank_name] = own.embed(torch.from_numpy(own_features))
     refused = {}
@@ -150,7 +150,8 @@ def score_customers(
             refused[name] = reason
             say(f"{name} refused the alignment: {reason}", None)
 
-    drift_warnings = judge_drift(customers.drift, accept_drift)
+    drift_warnings = judge_drift(customers.drift, accept_drift,
+                                 {bank_name: len(table), **{p: int(h.sum()) for p, h in customers.held.items()}})
     n = len(table)
     holders = customers.holders()
     scores = np.full((n,) if task.output_dim == 1 else (n, task.output_dim), np.nan)

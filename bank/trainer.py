@@ -53,7 +53,7 @@ TRAINING_SHARE = 0.95
 #: Beside the coordinator's checkpoints: the bank's secret for this session's protective noise.
 SECRET_FILE = "secret.json"
 
-ProgressFn = Callable[[str, float], None]
+ProgressFn = Callable[..., None]  # (message, fraction, event=False): parties.transport.jobs.Progress
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Coordinator(Recovery):
         self.task, self.targets, self.parties = task, targets, list(parties)
         self.alignment_id = alignment_id
         self.session_id = session_id or uuid.uuid4().hex
-        self.progress = progress or (lambda _msg, _frac: None)
+        self.progress = progress or (lambda _msg, _frac=None, event=False: None)
         self.aggregation = get_aggregation(config.aggregation)
         self.split = split_rows(len(targets), targets, task, config)
         # Settings left to adapt to the table (the task, the batch size) are set here, once, and said.

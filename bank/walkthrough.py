@@ -124,6 +124,7 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
         "rows_per_party": {n: sum(1 for _ in p.open()) - 1 for n, p in paths.items()},
         "alignment": alignment,
         "test": result["test"],
+        **({"test_note": result["test_note"]} if "test_note" in result else {}),
         "subsets": result["subsets"],
         "best_epoch": result["best_epoch"],
         "epochs_run": result["epochs_run"],

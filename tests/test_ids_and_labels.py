@@ -38,7 +38,7 @@ def test_integer_ids_are_one_customer_however_written() -> None:
 
 def test_id_formats_are_counted_per_format() -> None:
     assert id_formats(_ids("1", "2", "0003", "4.0", " 5 ", "C6")) == {
-        "plain integer": 3, "zero-padded integer": 1, "integer with a decimal point": 1, "text": 1,
+        "plain integer": 2, "zero-padded integer": 1, "integer with a decimal point": 1, "text": 1,
         "with surrounding white space": 1}
     assert id_formats(_ids("1", "2")) == {"plain integer": 2}
 
@@ -114,3 +114,18 @@ def test_align_reports_each_partners_share_and_warns_far_below_what_was_expected
     assert len(expected["warnings"]) == 1 and "matched 40.0% of the bank's 100 customers" in expected["warnings"][0]
     assert fine["warnings"] == []
     assert overlap_warnings({"p": 0.5}, 10, None, "text") == []  # no expectation, no warning
+
+
+def test_drift_on_few_customers_is_judged_only_when_gross_and_says_so() -> None:
+    from parties.tables.drift import judge_drift
+
+    many = judge_drift({"bank": {"x0": 0.3}}, True, {"bank": 500})
+    assert any("0.30" in w and "accepted" in w for w in many)
+    with pytest.raises(DataError, match="'x0' 0.30"):
+        judge_drift({"bank": {"x0": 0.3}}, False, {"bank": 500})
+    few = judge_drift({"bank": {"x0": 0.6}}, False, {"bank": 80})  # noise on 80 rows: not refused, and said
+    assert few == ["bank: drift judged on 80 customers (fewer than 200): only gross drift, above 1.0, is refused"]
+    with pytest.raises(DataError, match="'x0' 8.24"):  # another party's columns: refused on 80 rows too
+        judge_drift({"bank": {"x0": 8.24}}, False, {"bank": 80})
+    none = judge_drift({"bank": {}}, False, {"bank": 12})
+    assert "drift not measured on 12 customers" in none[0]

@@ -137,6 +137,7 @@ def test_train_shows_the_bank_retrying_and_rolling_back_a_restarted_partner(pki:
         out, err = train.communicate(timeout=600)
         assert train.returncode == 0, err[-3000:]
         assert "partner 'partner' is not answering" in err and "retrying for up to 120 s" in err
+        assert "rolling every party back to step" in err  # said as it happened, a line of its own
         assert "rolled back to a common checkpoint" in err
     finally:
         bank.stop()

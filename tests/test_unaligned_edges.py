@@ -48,6 +48,8 @@ def test_a_run_is_written_whatever_few_customers_the_partners_lack(
     run = Path(result["run_dir"])
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["task"] == task and sum(metrics["rows"].values()) == ROWS - unaligned
+    # 24 test rows: the metrics are given, with the warning that they are figures of a handful of customers.
+    assert metrics["rows"]["test"] < 30 and "too few to judge the model by" in metrics["test_note"]
     for name in ("test_predictions.csv", "split.csv", "model/manifest.json", "unaligned_split.csv"):
         assert (run / name).is_file(), name
     bank_only = metrics["subsets"]["bank"]

@@ -53,7 +53,7 @@ from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -161,6 +161,14 @@ class HijackingBank:
             return (1 - a.strength) * scaled + a.strength * honest
         if a.kind == "rank-aware":
             return self._rank_aware(fsha)
+        if a.kind == "ballast":
+            # A large, fixed gradient on one output unit, only on rows where that unit is off (a ReLU output of
+            # 0): it never reaches the partner's weights, but a test of the raw gradient sees one direction.
+            dead = (z <= 0).to(fsha.dtype)
+            unit = int(dead.sum(dim=0).argmax())
+            ballast = torch.zeros_like(fsha)
+            ballast[:, unit] = a.strength * fsha.norm(dim=1).mean() * dead[:, unit]
+            return fsha + ballast
         if a.kind == "one-direction":
             u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
             return values[0] * torch.outer(u[:, 0], vh[0])

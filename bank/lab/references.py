@@ -29,7 +29,7 @@ from bank.trainer import epoch_batches
 from parties.errors import ConfigError, DataError
 from parties.learning.model import BottomConfig
 from parties.tables.encoding import TabularEncoder
-from parties.tables.table import load_party_table
+from parties.tables.table import PartyTable, load_party_table
 
 __all__ = ["NoPartition", "PartyFiles", "fit_unsplit", "joined_features", "reference_models"]
 
@@ -51,7 +51,8 @@ def _party_files(run: Run, partition: PartyFiles) -> tuple[str, dict[str, Path]]
     manifest = folder / "partition.json"
     if not manifest.exists():
         raise NoPartition(f"{manifest}: missing. Reference models need every party's file, which only a simulation "
-                        "has: point --partition at the folder python -m data partition wrote")
+                        "has: name each party's own file with --party-file NAME=FILE, or point --partition at the "
+                        "folder python -m data partition wrote")
     described = json.loads(manifest.read_text())
     label_party = described.get("spec", {}).get("label_party", "bank")
     files = {name: folder / info["file"] for name, info in described["parties"].items()}
@@ -91,6 +92,7 @@ def joined_features(run: Run, partition: PartyFiles = None
     tables = {"bank": (bank, bank_rows)}
     for name, path in files.items():
         table = load_party_table(path)
+        _check_party_file(run, name, path, table, bank)
         where = {i: k for k, i in enumerate(table.normalized_ids)}
         missing = sum(i not in where for i in ids)
         if missing:
@@ -109,6 +111,21 @@ def joined_features(run: Run, partition: PartyFiles = None
 
 #: The test metrics a comparison shows, per task.
 COMPARED = {"binary": ("roc_auc", "pr_auc"), "multiclass": ("accuracy", "log_loss"), "regression": ("r2", "rmse")}
+
+
+def _check_party_file(run: Run, name: str, path: Path, table: PartyTable, bank: PartyTable) -> None:
+    """A partner's file must be that partner's: not one holding the bank's label, and, where the run keeps the
+    partner's model files, one with the columns its model was trained on."""
+    label = bank.labels.name if bank.labels is not None else None
+    if label is not None and label in table.schema.columns:
+        raise DataError(f"{path}: given as {name}'s file, it holds the bank's label column {label!r}: is it the "
+                        "bank's file?")
+    encoder = run.model_dir(name) / "encoder.json"
+    if encoder.exists():
+        trained = TabularEncoder.from_dict(json.loads(encoder.read_text())).schema
+        if set(trained.columns) != set(table.schema.columns):
+            raise DataError(f"{path}: given as {name}'s file, its columns {list(table.schema.columns)} are not the "
+                            f"ones {name}'s model trained on {list(trained.columns)}")
 
 
 def _scores(task: Task, name: str, features: str, y: np.ndarray, s: np.ndarray) -> dict[str, object]:

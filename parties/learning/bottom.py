@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
 from parties.learning import fast_path
@@ -92,6 +93,8 @@ class BottomTrainer:
         self._pending: torch.Tensor | None = None
         self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
         self._pending_clean: torch.Tensor | None = None  # with NoPeek: the pending embedding before DP noise
+        self._pending_active: torch.Tensor | None = None  # where the pending embedding's output units are on
+        self._relu_output = isinstance(self.model[-1], nn.ReLU) if isinstance(self.model, nn.Sequential) else False
         self._best: dict[str, Any] | None = None
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
@@ -161,8 +164,8 @@ class BottomTrainer:
                 raise BadMessage(f"a step holds at most {self.local.steps} batches of {self.local.batch} rows, "
                                  f"got {rows.numel()} rows")
             if self.monitor is not None:
-                if grad is not None:
-                    self.monitor.observe(step, grad)
+                if grad is not None:  # and what of it reaches the weights: nothing on an output unit that is off
+                    self.monitor.observe(step, grad, self._pending_active)
                 if self.monitor.alarm is None and self._probe and grad is not None:
                     grad = self.monitor.inspect(step, grad, self._probe)
                     self._probe = []
@@ -178,6 +181,7 @@ class BottomTrainer:
                     self._local_updates(self._pending_index, grad, self._pending.detach())
                 # They go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
                 self._pending, self._pending_index, self._pending_clean = None, None, None
+                self._pending_active = None
             if rows is None and self.nopeek is not None:  # the flush: the epoch's last gradient is applied
                 self._end_nopeek_epoch(step)
             out = None
@@ -189,11 +193,15 @@ class BottomTrainer:
                 else:  # no graph: each local step recomputes its batch's embedding
                     with torch.no_grad():
                         z = self.model(self.x.index_select(0, rows))
+                clean_out = z.detach()
                 if self.nopeek is not None and self.local_batch is None:
                     self._pending_clean = self.dp.clipped(z) if self.dp is not None else z
                 if self.dp is not None:
                     z = self.dp.release(z, rows)
                 self._pending, self._pending_index = z, rows
+                # Where the bottom's output unit is on for a row (ReLU), the bank's gradient reaches the weights;
+                # elsewhere it reaches nothing, however large (the monitor must not count it).
+                self._pending_active = (clean_out > 0).to(z.dtype) if self._relu_output else None
                 self.releases += rows.numel()
                 out = z.detach()
                 if self.monitor is not None:
@@ -348,8 +356,12 @@ class BottomTrainer:
             self._best = best or None
             rows = checkpoint.tensors.get("pending.rows")
             self._pending, self._pending_index, self._pending_clean = None, None, None
+            self._pending_active = None
             if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
                 self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
+                with torch.no_grad():
+                    active = self.model(self.x.index_select(0, rows)) > 0
+                self._pending_active = active.to(self._pending.dtype) if self._relu_output else None
             elif rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
@@ -360,6 +372,7 @@ class BottomTrainer:
                     z = clean + (checkpoint.tensors["last.out"] - clean).detach()
                 self._pending, self._pending_index = z, rows
                 self._pending_clean = clean if self.nopeek is not None else None
+                self._pending_active = (clean.detach() > 0).to(z.dtype) if self._relu_output else None
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:

@@ -14,7 +14,11 @@ energy outside its top ``task_rank`` singular directions and (2) how far those d
 last step (1 − the mean squared cosine of the principal angles). When the median of either over
 ``window`` steps exceeds its limit (``limit``, ``drift_limit``) it stops applying gradients and says why
 (``on_alarm="warn"``: it logs and goes on). It sends nothing and adds no byte; with no alarm, training is
-bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. What it
+bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. A bank
+could pad its gradient with a large, fixed component on output units that are off for a row (a ReLU at
+0): such "ballast" never reaches the partner's weights, yet dominates the spectrum the test reads; so the
+monitor also takes (3) the share of each step's energy on units that were off, and alarms when its window
+median passes ``dead_limit`` (an honest bank's sat at 0.41-0.72 in the study, ballast at 0.99). What it
 cannot see: a hijack mixed into a large enough share of honest gradient, and one shaped to stay under its
 limits (a main direction that turns just slowly enough, off-task energy just under the limit, bursts in
 under half a window); a bank gradient defense that adds noise in every direction (isotropic, max-norm,
@@ -54,6 +58,7 @@ class HijackMonitor:
         # The rank test: the last window's off-task shares and turns, and the last step's task directions.
         self.shares: deque[float] = deque(maxlen=config.window)
         self.turns: deque[float] = deque(maxlen=config.window)
+        self.dead: deque[float] = deque(maxlen=config.window)  # the share of energy on output units that were off
         self.directions: np.ndarray | None = None  # d × task_rank
         self.observed = 0  # gradients the rank test has read
         self.alarm: str | None = None
@@ -86,10 +91,16 @@ class HijackMonitor:
         total = float(energy.sum())
         return max(0.0, 1.0 - float(energy[-rank:].sum()) / total) if total > 0 else 0.0
 
-    def observe(self, step: int, grad: torch.Tensor) -> None:
-        """The rank test: read the gradient the bank returned for ``step``'s embedding."""
+    def observe(self, step: int, grad: torch.Tensor, active: torch.Tensor | None = None) -> None:
+        """The rank test: read the gradient the bank returned for ``step``'s embedding. ``active``: where the
+        bottom's output units were on for each row (1) or off (0, a ReLU at 0): the part of the gradient on
+        units that were off never reaches the partner's weights."""
         if not self.config.watch or self.alarm is not None:
             return
+        if active is not None:
+            total = float(grad.double().square().sum())
+            if total > 0:
+                self.dead.append(float((grad.double() * (1 - active.double())).square().sum()) / total)
         rank = self.config.task_rank
         energy, vectors = self.spectrum(grad)
         if float(energy.sum()) <= 0:  # nothing moved: nothing to judge
@@ -106,6 +117,12 @@ class HijackMonitor:
                 f"hijack suspected: over the last {window} steps the bank's gradients put a median {share:.1%} of "
                 f"their energy outside the {rank} direction(s) a task's gradient can take (limit "
                 f"{self.config.limit:.0%}); an honest task loss cannot do that. {self._consequence}"))
+        elif len(self.dead) == window and (dead := float(np.median(self.dead))) > self.config.dead_limit:
+            self._raise(step, (
+                f"hijack suspected: over the last {window} steps the bank's gradients put a median {dead:.1%} of "
+                f"their energy on output units that were off for their row (limit {self.config.dead_limit:.0%}): "
+                f"energy that never reaches this partner's weights, which only padding to pass a test needs. "
+                f"{self._consequence}"))
         elif len(self.turns) == window and (turn := float(np.median(self.turns))) > self.config.drift_limit:
             self._raise(step, (
                 f"hijack suspected: over the last {window} steps the direction(s) of the bank's gradients turned "
@@ -119,13 +136,15 @@ class HijackMonitor:
 
     def state(self) -> dict:
         """The rank test's state, as JSON, for a checkpoint."""
-        return {"shares": list(self.shares), "turns": list(self.turns), "observed": self.observed,
+        return {"shares": list(self.shares), "turns": list(self.turns), "dead": list(self.dead),
+                "observed": self.observed,
                 "directions": None if self.directions is None else self.directions.tolist(),
                 "alarm": self.alarm, "alarm_step": self.alarm_step}
 
     def load_state(self, meta: dict) -> None:
         self.shares = deque(meta.get("shares", []), maxlen=self.config.window)
         self.turns = deque(meta.get("turns", []), maxlen=self.config.window)
+        self.dead = deque(meta.get("dead", []), maxlen=self.config.window)
         self.observed = meta.get("observed", 0)
         directions = meta.get("directions")
         self.directions = None if directions is None else np.array(directions, dtype=np.float64)

@@ -80,6 +80,8 @@ class JobStatus(Message):
     fraction: float | None = None
     error: str | None = None
     result: dict[str, object] | None = None
+    events: list[str] = Field(default_factory=list, description="what the operator must see as it happens: a "
+                              "partner retried, every party rolled back")
 
 
 class SessionSummary(Message):

@@ -11,8 +11,9 @@ Below 0.1 a column is stable; 0.1 to 0.25 it has moved (a warning); above 0.25 t
 population the model learned (scoring refuses, unless the operator accepts the drift). A file of the
 wrong party's columns under the same generic names (``x0, x1, ...``) reads as drift of every column.
 
-Fewer than ``MIN_DRIFT_ROWS`` rows give no figure: the index of a small sample is mostly its noise
-(about (bins - 1) / rows even without drift).
+The index of a small sample is mostly its noise (about (bins − 1) / rows even without drift). So on fewer
+than ``FULL_DRIFT_ROWS`` rows only gross drift is judged (above ``GROSS_PSI``: not the same population,
+such as another party's columns), and under ``MIN_DRIFT_ROWS`` there is no figure; either is said.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import pandas as pd
 
 from parties.errors import DataError
 
-__all__ = ["MIN_DRIFT_ROWS", "REFUSE_PSI", "WARN_PSI", "Drift", "fit_profile", "judge_drift", "parse_drift", "stability"]
+__all__ = ["FULL_DRIFT_ROWS", "GROSS_PSI", "MIN_DRIFT_ROWS", "REFUSE_PSI", "WARN_PSI", "Drift", "fit_profile",
+           "judge_drift", "limits", "parse_drift", "stability"]
 
 #: Drift a scoring answer warns about, and drift it refuses unless the operator accepts it.
 WARN_PSI, REFUSE_PSI = 0.1, 0.25
-#: The fewest rows a drift figure is given on.
-MIN_DRIFT_ROWS = 200
+#: Rows from which every threshold applies; from which only gross drift is judged; and under which none is.
+FULL_DRIFT_ROWS, MIN_DRIFT_ROWS = 200, 30
+GROSS_PSI = 1.0
 #: Deciles of a numeric column's training values.
 BINS = 10
 #: Shares of zero would make the index infinite; an empty bin counts as this share instead.
@@ -105,11 +108,31 @@ def parse_drift(text: str, columns: int = 4096) -> Drift:
     return {k: float(v) for k, v in value.items()}
 
 
-def judge_drift(drift: dict[str, Drift], accept: bool) -> list[str]:
-    """Warnings for columns above ``WARN_PSI`` (per party); ``DataError`` for columns above ``REFUSE_PSI``,
-    naming them, unless ``accept``."""
-    moved = {party: {c: v for c, v in cols.items() if v > WARN_PSI} for party, cols in drift.items()}
-    refused = {party: {c: v for c, v in cols.items() if v > REFUSE_PSI} for party, cols in moved.items()}
+def limits(rows: int) -> tuple[float, float] | None:
+    """(warn, refuse) for a drift figure on ``rows`` rows; ``None``: too few rows to judge any."""
+    if rows < MIN_DRIFT_ROWS:
+        return None
+    return (WARN_PSI, REFUSE_PSI) if rows >= FULL_DRIFT_ROWS else (GROSS_PSI, GROSS_PSI)
+
+
+def judge_drift(drift: dict[str, Drift], accept: bool, rows: dict[str, int]) -> list[str]:
+    """Warnings for columns above the warning threshold (per party), and a note for each party with too few
+    rows to judge; ``DataError`` for columns above the refusal threshold, naming them, unless ``accept``.
+    ``rows``: per party, how many customers its figures are of (the thresholds depend on it: ``limits``)."""
+    notes = []
+    moved, refused = {}, {}
+    for party, cols in drift.items():
+        bounds = limits(rows.get(party, 0))
+        if bounds is None:
+            notes.append(f"{party}: drift not measured on {rows.get(party, 0)} customers (fewer than "
+                         f"{MIN_DRIFT_ROWS}); a file of another party's columns under the same names would not be "
+                         "noticed")
+            continue
+        if rows[party] < FULL_DRIFT_ROWS:
+            notes.append(f"{party}: drift judged on {rows[party]} customers (fewer than {FULL_DRIFT_ROWS}): only "
+                         f"gross drift, above {GROSS_PSI}, is refused")
+        moved[party] = {c: v for c, v in cols.items() if v > bounds[0]}
+        refused[party] = {c: v for c, v in cols.items() if v > bounds[1]}
     refused = {p: cols for p, cols in refused.items() if cols}
     if refused and not accept:
         named = "; ".join(f"{party}: " + ", ".join(f"{c!r} {v:.2f}" for c, v in cols.items())
@@ -118,6 +141,7 @@ def judge_drift(drift: dict[str, Drift], accept: bool) -> list[str]:
                         f"stability index above {REFUSE_PSI} for {named}. Check that the file holds the bank's own "
                         "columns for these customers (not another party's under the same names); --accept-drift "
                         "scores them anyway")
-    return [f"{party} column {c!r}: population stability index {v:.2f} (above {WARN_PSI}: it has moved since "
-            "training" + ("; accepted" if v > REFUSE_PSI else "") + ")"
-            for party, cols in moved.items() for c, v in cols.items()]
+    return notes + [f"{party} column {c!r}: population stability index {v:.2f} (above "
+                    f"{limits(rows[party])[0]}: it has moved since training"  # type: ignore[index]
+                    + ("; accepted" if c in refused.get(party, {}) else "") + ")"
+                    for party, cols in moved.items() for c, v in cols.items()]

@@ -80,15 +80,16 @@ def _format(raw: str) -> str:
 
 
 def id_formats(raw: pd.Series) -> dict[str, int]:
-    """How many IDs are written in each format (``FORMATS``); white space around an ID counts apart too."""
+    """How many IDs are written in each format (``FORMATS``), each ID counted once: one with white space around
+    it counts as that, whatever it writes inside."""
     stripped = raw.str.strip()
-    plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool)
-    digits = stripped.str.fullmatch(_DIGITS.pattern).to_numpy(dtype=bool)
-    number = stripped.str.fullmatch(_NUMBER.pattern).to_numpy(dtype=bool)
+    spaced = (raw != stripped).to_numpy(dtype=bool)
+    plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool) & ~spaced
+    digits = stripped.str.fullmatch(_DIGITS.pattern).to_numpy(dtype=bool) & ~spaced
+    number = stripped.str.fullmatch(_NUMBER.pattern).to_numpy(dtype=bool) | spaced
     counts: Counter[str] = Counter({"plain integer": int(plain.sum()), "zero-padded integer": int((digits & ~plain).sum()),
-                                    "text": int((~number).sum()),
-                                    "with surrounding white space": int((raw != stripped).sum())})
-    for value in stripped[number & ~digits]:  # signs, points, exponents: rare, so told apart one by one
+                                    "text": int((~number).sum()), "with surrounding white space": int(spaced.sum())})
+    for value in stripped[number & ~digits & ~spaced]:  # signs, points, exponents: rare, so told apart one by one
         counts[_format(value)] += 1
     return {f: counts[f] for f in FORMATS if counts[f]}
 

@@ -163,6 +163,7 @@ def load_party_table(
     blank = raw_ids.str.strip() == ""
     if blank.any():
         raise DataError(f"{path}: column {id_column!r} is empty at row {_row(int(blank.to_numpy().argmax()))}")
+    declared_by = "--id-type" if id_type else f"id_type in {sidecar_file.name}"
     id_type = id_type or (declared.id_type if declared else None)
     inferred = id_type is None
     id_type = id_type or infer_id_type(raw_ids)
@@ -170,8 +171,8 @@ def load_party_table(
         normalized = canonical_ids(raw_ids, id_type)
     except IdError as exc:
         raise DataError(f"{path}: column {id_column!r} holds {exc.count} {exc.what}, "
-                        f"first at row {_row(exc.first)}; its IDs are declared integer (id_type in "
-                        f"{sidecar_file.name}): declare them text, or fix those rows") from exc
+                        f"first at row {_row(exc.first)}; its IDs are declared integer ({declared_by}): declare them "
+                        "text, or fix those rows") from exc
     formats = id_formats(raw_ids)
     _check_unique(path, id_column, id_type, normalized)
     if len(formats) > 1:

@@ -17,7 +17,14 @@ __all__ = ["Job", "JobRunner", "Progress"]
 logger = logging.getLogger(__name__)
 
 class Progress(Protocol):
-    def __call__(self, message: str, fraction: float | None = None) -> None: ...
+    """``event``: a message the operator must see even if the next one follows at once (a retry, a rollback):
+    kept in the job's ``events`` besides being its progress."""
+
+    def __call__(self, message: str, fraction: float | None = None, event: bool = False) -> None: ...
+
+
+#: The most events a job keeps (the oldest go first).
+MAX_EVENTS = 200
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Job:
     fraction: float | None = None
     error: str | None = None
     result: dict[str, Any] | None = None
+    events: list[str] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
     def status(self) -> JobStatus:
@@ -40,6 +48,7 @@ class Job:
             fraction=self.fraction,
             error=self.error,
             result=self.result,
+            events=list(self.events),
         )
 
 
@@ -57,10 +66,12 @@ class JobRunner:
             job = Job(kind)
             self._jobs[job.job_id] = job
 
-        def say(message: str, fraction: float | None = None) -> None:
+        def say(message: str, fraction: float | None = None, event: bool = False) -> None:
             job.progress = message
             if fraction is not None:
                 job.fraction = fraction
+            if event:
+                job.events = [*job.events[-(MAX_EVENTS - 1):], message]
 
         def run() -> None:
             job.state = "running"

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -208,6 +209,12 @@ def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path
         task.cancel()
 
     run_loop(main())
+    # The app's shutdown has closed its pools, sessions and files: what is left is the interpreter collecting a
+    # trained session's objects, seconds of it. A stopped service stops now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ServerThread:
