@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from parties.errors import ConfigError
 from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind
 
 __all__ = ["AggregationName", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
@@ -139,6 +140,11 @@ class TrainingConfig(BaseModel):
         return LocalSteps(steps=self.local_steps, batch=self.batch, reuse=self.reuse_steps)
 
     @property
+    def protects(self) -> bool:
+        """Whether the bank draws protective noise in this session (label DP, a gradient defense)."""
+        return self.label_dp_epsilon is not None or self.gradient_defense != "none"
+
+    @property
     def batch(self) -> int:
         """The batch size of a resolved configuration (``resolved``)."""
         if self.batch_size is None:
@@ -161,7 +167,13 @@ class TrainingConfig(BaseModel):
             chosen["batch_size"] = (f"{values['batch_size']} (adapts to the table: {train_rows:,} training rows, "
                                     f"{-(-train_rows // values['batch_size'])} steps an epoch; give --batch-size "
                                     "to choose)")
-        return TrainingConfig.model_validate(values), chosen
+        try:
+            return TrainingConfig.model_validate(values), chosen
+        except ValidationError as exc:
+            from parties.settings import describe_problems
+
+            raise ConfigError(f"invalid training settings for this {values['task']} task: "
+                              f"{describe_problems(exc, lambda loc: '.'.join(map(str, loc)))}") from exc
 
     @model_validator(mode="after")
     def _fractions(self) -> TrainingConfig:

@@ -205,7 +205,7 @@ class BankCore:
             communication=communication, party_files=files, alignment_id=alignment.alignment_id,
             bank_rows=alignment.rows, subsets=subsets, chosen=coordinator.chosen, bank_ids=self.table.ids,
             id_column=self.table.id_column,
-            protective_noise=coordinator.secret.describe() if coordinator.protects else None,
+            protective_noise=coordinator.secret.describe() if config.protects else None,
         )
         # What a file of customers to score holds: the bank's own file is one (it scores every customer).
         scoring = {"data": str(Path(self.settings.data).resolve()),

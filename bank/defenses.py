@@ -19,18 +19,37 @@ The bank keeps the secret with its run, so its own resume draws the same noise.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from bank.config import TrainingConfig
 from parties.learning.secret import Secret
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "SECRET_FILE", "bank_secret", "matched_perturb",
     "GradientDefense", "MarvellNoise", "flip_probability", "marvell_perturb", "marvell_solve", "perturb_gradient",
     "randomized_response", "symmetric_kl",
 ]
+
+
+#: Beside the coordinator's checkpoints: the bank's secret for a session's protective noise.
+SECRET_FILE = "secret.json"
+
+
+def bank_secret(config: TrainingConfig, checkpoint_dir: Path | None, session: str) -> Secret:
+    """The bank's secret for a session: kept beside its checkpoints (a resume draws the same), else drawn from
+    the OS, or pinned by ``defense_seed`` (said in the log, when a defense uses it)."""
+    secret = Secret.kept_in(None if checkpoint_dir is None else checkpoint_dir / SECRET_FILE, config.defense_seed)
+    if secret.pinned is not None and config.protects:
+        logger.warning("session %s: the bank's protective noise is %s", session, secret.describe())
+    return secret
 
 
 def flip_probability(epsilon: float) -> float:
@@ -145,6 +164,23 @@ def marvell_solve(u2: float, d: int, p: float, power: float, v: tuple[float, flo
     return MarvellNoise((float(along[0]) * u2, float(along[1]) * u2), (float(rest[0]) * u2, float(rest[1]) * u2), kl)
 
 
+def _class_means(grad: torch.Tensor, targets: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, float] | None:
+    """(the gradient in float64, the positive rows, each class's mean, their difference, its squared norm), or
+    ``None`` for a batch with nothing to hide: one class only, or equal class means."""
+    positive = targets.reshape(-1) > 0.5
+    n1 = int(positive.sum())
+    if n1 in (0, len(grad)):
+        return None
+    g = grad.double()
+    means = [g[~positive].mean(dim=0), g[positive].mean(dim=0)]
+    diff = means[1] - means[0]
+    u2 = float(diff @ diff)
+    if not u2 > 0 or not math.isfinite(u2):
+        return None
+    return g, positive, means, diff, u2
+
+
 def marvell_perturb(
     grad: torch.Tensor, targets: torch.Tensor, power: float, generator: torch.Generator,
     persistent: torch.Tensor | None = None, persistence: float = 0.0,
@@ -163,17 +199,12 @@ def marvell_perturb(
     noise averages away over a row's E gradients (its variance falls as 1/E, which the cross-epoch
     attacks exploit), the persistent share does not.
     """
-    positive = targets.reshape(-1) > 0.5
+    split = _class_means(grad, targets)
+    if split is None:
+        return grad, None
+    g, positive, means, diff, u2 = split
     n, d = grad.shape
     n1 = int(positive.sum())
-    if n1 in (0, n):
-        return grad, None
-    g = grad.double()
-    means = [g[~positive].mean(dim=0), g[positive].mean(dim=0)]
-    diff = means[1] - means[0]
-    u2 = float(diff @ diff)
-    if not u2 > 0 or not math.isfinite(u2):
-        return grad, None
     v = tuple(float(((g[m] - means[c]) ** 2).sum(dim=1).mean()) / d for c, m in enumerate((~positive, positive)))
     noise = marvell_solve(u2, d, n1 / n, power * u2, v)  # type: ignore[arg-type]
     unit = diff / math.sqrt(u2)
@@ -206,18 +237,11 @@ def matched_perturb(
     difference alone, against the common covariance C: the symmetric KL between the two (Gaussian) classes,
     returned as the bound, is (ḡ₁ − ḡ₀)ᵀ C⁻¹ (ḡ₁ − ḡ₀). ``persistent``/``persistence`` as in ``marvell_perturb``.
     """
-    positive = targets.reshape(-1) > 0.5
-    n, d = grad.shape
-    n1 = int(positive.sum())
-    if n1 in (0, n):
+    split = _class_means(grad, targets)
+    if split is None:
         return grad, None
-    g = grad.double()
+    g, positive, means, diff, u2 = split
     classes = (~positive, positive)
-    means = [g[m].mean(dim=0) for m in classes]
-    diff = means[1] - means[0]
-    u2 = float(diff @ diff)
-    if not u2 > 0 or not math.isfinite(u2):
-        return grad, None
     covs = [((g[m] - means[c]).T @ (g[m] - means[c])) / max(int(m.sum()), 1) for c, m in enumerate(classes)]
     unit = diff / math.sqrt(u2)
     along = power * u2 * torch.outer(unit, unit)

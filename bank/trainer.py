@@ -10,7 +10,6 @@ keeps each party's embedding gradient to send with the next step.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 import uuid
@@ -22,11 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ValidationError
 
 from bank.aggregation import get_aggregation
 from bank.config import TrainingConfig
-from bank.defenses import GradientDefense, randomized_response
+from bank.defenses import GradientDefense, bank_secret, randomized_response
 from bank.local_steps import LocalTop
 from bank.party import TrainingParty
 from bank.recovery import Recovery
@@ -34,12 +32,10 @@ from bank.schedule import Split, epoch_batches, split_rows
 from bank.state import AuditRecord, LoopState
 from bank.subsets import partial_subsets
 from bank.task import Task
-from parties.errors import Behind, ConfigError, CutlayerError, PeerUnavailable, StorageError, UnknownSession
+from parties.errors import Behind, CutlayerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
 from parties.learning.secret import Secret
-from parties.storage.files import atomic_write_text
-from parties.settings import describe_problems
 from parties.storage.checkpoint import CheckpointWriter
 
 __all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -49,9 +45,6 @@ logger = logging.getLogger(__name__)
 #: The share of a training job's progress the training steps take; finishing (best weights, model
 #: files, the test rows) takes the rest, so a bar reaches its end only when the job has.
 TRAINING_SHARE = 0.95
-
-#: Beside the coordinator's checkpoints: the bank's secret for this session's protective noise.
-SECRET_FILE = "secret.json"
 
 ProgressFn = Callable[..., None]  # (message, fraction, event=False): parties.transport.jobs.Progress
 
@@ -86,8 +79,7 @@ class Coordinator(Recovery):
         checkpoint_dir: Path | None = None,
         secret: Secret | None = None,
     ) -> None:
-        """``secret``: the bank's protective randomness (default: kept in ``checkpoint_dir`` if there is one,
-        else drawn, or pinned by ``config.defense_seed``; ``parties.learning.secret``)."""
+        """``secret``: the bank's protective randomness (default: ``bank.defenses.bank_secret``)."""
         self.task, self.targets, self.parties = task, targets, list(parties)
         self.alignment_id = alignment_id
         self.session_id = session_id or uuid.uuid4().hex
@@ -95,17 +87,13 @@ class Coordinator(Recovery):
         self.aggregation = get_aggregation(config.aggregation)
         self.split = split_rows(len(targets), targets, task, config)
         # Settings left to adapt to the table (the task, the batch size) are set here, once, and said.
-        try:
-            config, self.chosen = config.resolved(task.kind, len(self.split.train))
-        except ValidationError as exc:
-            raise ConfigError(f"invalid training settings for this {task.kind} task: "
-                              f"{describe_problems(exc, lambda loc: '.'.join(map(str, loc)))}") from exc
+        config, self.chosen = config.resolved(task.kind, len(self.split.train))
         self.config = config
         for setting, value in self.chosen.items():
             logger.info("session %s: %s = %s", self.session_id, setting, value)
         task.fit_target_scale(targets[torch.from_numpy(self.split.train)])
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
-        self.secret = secret or self._secret(config)
+        self.secret = secret or bank_secret(config, checkpoint_dir, self.session_id)
         # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
         self.train_targets = targets
         if config.label_dp_epsilon is not None:
@@ -126,24 +114,6 @@ class Coordinator(Recovery):
         # some partners hold will be trained on them (two or more partners); the bank's to keep, like any
         # evaluation embedding.
         self.embeddings: dict[str, torch.Tensor] | None = None
-
-    @property
-    def protects(self) -> bool:
-        """Whether any of the bank's protective draws is used in this session."""
-        return self.config.label_dp_epsilon is not None or self.config.gradient_defense != "none"
-
-    def _secret(self, config: TrainingConfig) -> Secret:
-        """The session's secret: the one kept beside its checkpoints (a resume, or a restart of the session),
-        else a new one (or the operator's pin), written there before anything is drawn from it."""
-        path = None if self.checkpoint_dir is None else self.checkpoint_dir / SECRET_FILE
-        if path is not None and path.exists():
-            return Secret.from_state(json.loads(path.read_text()))
-        secret = Secret.of(config.defense_seed)
-        if path is not None:
-            atomic_write_text(path, json.dumps(secret.to_state()))  # 0600, in the bank's own run folder
-        if secret.pinned is not None and (config.label_dp_epsilon is not None or config.gradient_defense != "none"):
-            logger.warning("session %s: the bank's protective noise is %s", self.session_id, secret.describe())
-        return secret
 
     # --- calling every party at once ----------------------------------------------------
 

@@ -68,6 +68,41 @@ def _by_hand_block() -> str:
     return _bash_blocks(section)[0]
 
 
+def _run_as_written(block: str, ports: dict[str, str], tmp_path: Path, adjust=lambda argv: argv) -> dict:
+    """Run a README block's commands as written, but for ``ports`` (fixed ones -> free ones) and ``adjust``
+    (argv -> argv); each ``serve`` in the background until it listens. Returns each other command's output by
+    (module, command). The caller stops the services: they are in the returned ``"services"``."""
+    services: list[subprocess.Popen[bytes]] = []
+    outputs: dict = {"services": services}
+    pattern = r"\b(" + "|".join(ports) + r")\b"
+    for argv in _commands(block):
+        assert argv[:2] == ["python", "-m"], argv
+        argv = [sys.executable, "-m", *(re.sub(pattern, lambda m: ports[m.group(1)], a) for a in argv[2:])]
+        argv = adjust(argv)
+        module, command = argv[2], argv[3]
+        if command == "serve":
+            ready = tmp_path / f"{module}.ready"
+            log = (tmp_path / f"{module}.log").open("wb")
+            services.append(subprocess.Popen([*argv, "--workers", "1", "--ready-file", str(ready)], cwd=tmp_path,
+                                             stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert services[-1].poll() is None, (tmp_path / f"{module}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{module} did not start"
+                time.sleep(0.05)
+            continue
+        run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+        outputs[(module, command)] = run
+    return outputs
+
+
+def _stop(services: list) -> None:
+    for proc in services:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Path, tmp_path: Path) -> None:
     """Run the README's by-hand commands as written (on a slice, fewer epochs, free ports), then the walkthrough
     with the same slice and epochs: every weight of every party and every test score must be equal."""
@@ -75,33 +110,13 @@ def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Pa
     ports = {"8443": str(_free_port()), "8444": str(_free_port())}
     small = {("data", "bank-marketing"): ["--rows", rows, "--cache-dir", str(bank_full.parent), "--no-download"],
              ("bank", "train"): ["--epochs", epochs]}
-    services: list[subprocess.Popen[bytes]] = []
-    train_output = ""
+    outputs: dict = {"services": []}
     try:
-        for argv in _commands(_by_hand_block()):
-            assert argv[:2] == ["python", "-m"], argv
-            argv = [sys.executable, "-m", *(re.sub(r"\b(8443|8444)\b", lambda m: ports[m.group(1)], a) for a in argv[2:])]
-            module, command = argv[2], argv[3]
-            argv += small.get((module, command), [])
-            if command == "serve":
-                ready = tmp_path / f"{module}.ready"
-                log = (tmp_path / f"{module}.log").open("wb")
-                services.append(subprocess.Popen([*argv, "--workers", "1", "--ready-file", str(ready)], cwd=tmp_path,
-                                                 stdout=log, stderr=subprocess.STDOUT))
-                deadline = time.monotonic() + 120
-                while not ready.exists():
-                    assert services[-1].poll() is None, (tmp_path / f"{module}.log").read_text()[-3000:]
-                    assert time.monotonic() < deadline, f"{module} did not start"
-                    time.sleep(0.05)
-                continue
-            run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-            assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
-            if (module, command) == ("bank", "train"):
-                train_output = run.stdout
+        outputs = _run_as_written(_by_hand_block(), ports, tmp_path,
+                                  lambda argv: argv + small.get((argv[2], argv[3]), []))
     finally:
-        for proc in services:
-            proc.terminate()
-            proc.wait(30)
+        _stop(outputs["services"])
+    train_output = outputs[("bank", "train")].stdout
 
     model_id = re.search(r"^model id: (\w+)$", train_output, flags=re.M)
     assert model_id, f"train did not print the model id:\n{train_output}"
@@ -141,36 +156,17 @@ def test_the_own_data_flow_as_written_runs_on_pre_split_files(tmp_path: Path) ->
 
     write_pair(tmp_path, "binary", rows=1200)
     ports = {"8450": str(_free_port()), "8451": str(_free_port())}
-    services: list[subprocess.Popen[bytes]] = []
-    model_id = None
+    block = _own_data_block()
+    before, after = block.split("python -m bank score", 1)
+    outputs: dict = {"services": []}
     try:
-        for argv in _commands(_own_data_block()):
-            assert argv[:2] == ["python", "-m"], argv
-            argv = [sys.executable, "-m", *(re.sub(r"\b(8450|8451)\b", lambda m: ports[m.group(1)], a) for a in argv[2:])]
-            if model_id is not None:
-                argv = [a.replace("MODEL_ID", model_id) for a in argv]
-            module, command = argv[2], argv[3]
-            if command == "serve":
-                ready = tmp_path / f"{module}.ready"
-                log = (tmp_path / f"{module}.log").open("wb")
-                services.append(subprocess.Popen([*argv, "--workers", "1", "--ready-file", str(ready)], cwd=tmp_path,
-                                                 stdout=log, stderr=subprocess.STDOUT))
-                deadline = time.monotonic() + 120
-                while not ready.exists():
-                    assert services[-1].poll() is None, (tmp_path / f"{module}.log").read_text()[-3000:]
-                    assert time.monotonic() < deadline, f"{module} did not start"
-                    time.sleep(0.05)
-                continue
-            run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-            assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
-            if (module, command) == ("bank", "train"):
-                model_id = re.search(r"^model id: (\w+)$", run.stdout, flags=re.M).group(1)
-            if (module, command) == ("bank", "align"):
-                assert "partner: 1,200 of the bank's 1,200 customers matched (100.0%)" in run.stderr
+        outputs = _run_as_written(before, ports, tmp_path)
+        trained = outputs[("bank", "train")].stdout
+        model_id = re.search(r"^model id: (\w+)$", trained, flags=re.M).group(1)
+        assert "partner: 1,200 of the bank's 1,200 customers matched (100.0%)" in outputs[("bank", "align")].stderr
+        _run_as_written("python -m bank score" + after.replace("MODEL_ID", model_id), ports, tmp_path)
     finally:
-        for proc in services:
-            proc.terminate()
-            proc.wait(30)
+        _stop(outputs["services"])
     assert model_id is not None
     scores = pd.read_csv(tmp_path / "scores.csv")
     assert len(scores) == 1200 and (scores["status"] == "scored").all()

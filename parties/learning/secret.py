@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from parties.storage.files import atomic_write_text
 
 __all__ = ["Secret"]
 
@@ -49,6 +53,17 @@ class Secret:
     def of(cls, seed: int | None) -> Secret:
         """``pinned_to(seed)`` if a seed is given, else ``fresh()``."""
         return cls.fresh() if seed is None else cls.pinned_to(seed)
+
+    @classmethod
+    def kept_in(cls, path: Path | None, seed: int | None) -> Secret:
+        """The secret kept at ``path`` (a resume, or a restart of the session), else a new one (``of(seed)``),
+        written there (0600, the party's own state) before anything is drawn from it."""
+        if path is not None and path.exists():
+            return cls.from_state(json.loads(path.read_text()))
+        secret = cls.of(seed)
+        if path is not None:
+            atomic_write_text(path, json.dumps(secret.to_state()))
+        return secret
 
     def describe(self) -> str:
         return (f"pinned by the operator (seed {self.pinned}): a counterparty that knows the seed can regenerate it"
