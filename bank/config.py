@@ -53,6 +53,10 @@ class TrainingConfig(BaseModel):
                                    f"from {MIN_AUTO_BATCH} to {MAX_AUTO_BATCH})")
     eval_batch_size: int = Field(8192, ge=1, le=1 << 16)
     patience: int = Field(6, ge=1, description="epochs without a better validation score before stopping")
+    stratify: bool = Field(False, description="stratify the train/validation/test split by label: its shuffles then "
+                           "come from the bank's secret (a partner that replayed a stratified split read the labels), "
+                           "so the split is reproducible only with defense_seed; default: a split from the public "
+                           "seed that says nothing of the labels")
     val_fraction: float = Field(0.1, gt=0, lt=0.5)
     test_fraction: float = Field(0.1, gt=0, lt=0.5)
     seed: int = 0
@@ -142,7 +146,7 @@ class TrainingConfig(BaseModel):
     @property
     def protects(self) -> bool:
         """Whether the bank draws protective noise in this session (label DP, a gradient defense)."""
-        return self.label_dp_epsilon is not None or self.gradient_defense != "none"
+        return self.label_dp_epsilon is not None or self.gradient_defense != "none" or self.stratify
 
     @property
     def batch(self) -> int:

@@ -98,7 +98,7 @@ def unaligned_rows(table: PartyTable, aligned: np.ndarray, task: Task, config: T
     targets = task.targets(table.labels.iloc[rows]) if len(rows) else torch.zeros(0)
     empty = np.zeros(0, dtype=np.int64)
     try:
-        split = split_rows(len(rows), targets, task, config)
+        split = split_rows(len(rows), targets, task, config, shared=False)  # no partner sees these rows
     except ConfigError:
         split = Split(np.arange(len(rows)), empty, empty)
     return BankRows(rows, targets, split)

@@ -85,15 +85,15 @@ class Coordinator(Recovery):
         self.session_id = session_id or uuid.uuid4().hex
         self.progress = progress or (lambda _msg, _frac=None, event=False: None)
         self.aggregation = get_aggregation(config.aggregation)
-        self.split = split_rows(len(targets), targets, task, config)
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
+        self.secret = secret or bank_secret(config, checkpoint_dir, self.session_id)
+        self.split = split_rows(len(targets), targets, task, config, secret=self.secret)
         # Settings left to adapt to the table (the task, the batch size) are set here, once, and said.
         config, self.chosen = config.resolved(task.kind, len(self.split.train))
         self.config = config
         for setting, value in self.chosen.items():
             logger.info("session %s: %s = %s", self.session_id, setting, value)
         task.fit_target_scale(targets[torch.from_numpy(self.split.train)])
-        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
-        self.secret = secret or bank_secret(config, checkpoint_dir, self.session_id)
         # What the loss sees: the true labels, or (label DP) the training labels flipped once, here.
         self.train_targets = targets
         if config.label_dp_epsilon is not None:

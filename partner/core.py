@@ -332,7 +332,7 @@ class PartnerCore:
         features, fallbacks = model.encoder.encode(self.table.features.iloc[table_rows])
         z = model.embed(torch.from_numpy(features))
         if self.scoring_dp is not None:
-            z = self.scoring_dp.release(z, torch.from_numpy(table_rows.astype(np.int64)))
+            z = self.scoring_dp.release(z, torch.from_numpy(table_rows.astype(np.int64)), state=model_id)
         if fallbacks:
             logger.info("model %s: scoring rows took fallback policies: %s", model_id, fallbacks)
         return z, fallbacks, self._drift(model_id, alignment_id, model, rows)

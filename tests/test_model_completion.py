@@ -146,6 +146,7 @@ MEASURED = {
     "model_completion_advantage_std", "known_labels", "completion_draws", "strongest_label_leak_auc",
     "strongest_gradient_leak_auc", "strongest_label_attack", "inversion_r2_advantage", "inversion_r2_max",
     "inversion_worst_feature", "label_dp_epsilon", "off_direction_leak_auc", "projection_leak_auc",
+    "row_mean_pca_leak_auc",
     "mixture_leak_auc", "kmeans_leak_auc", "few_label_10_leak_auc", "few_label_50_leak_auc",
 }
 

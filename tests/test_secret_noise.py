@@ -175,3 +175,43 @@ def test_a_resumed_bank_keeps_its_secret(fed, tmp_path: Path) -> None:
     assert torch.equal(a.train_targets, b.train_targets)  # read back from the bank's own run folder
     assert (tmp_path / "coordinator" / "secret.json").stat().st_mode & 0o077 == 0
     assert not torch.equal(a.train_targets, first.train_targets)  # another session, another secret
+
+
+def test_asking_again_for_the_same_rows_does_not_average_the_embedding_noise_away() -> None:
+    """Every release of a row from one model state carries the same noise: a bank that asks a thousand times
+    for an evaluation, or scores the same customers again, learns no more than from one release."""
+    from parties.learning.bottom import BottomTrainer
+    from parties.learning.model import BottomConfig
+
+    features = np.random.default_rng(0).normal(size=(40, 5))
+    trainer = BottomTrainer(features, BottomConfig(cut_width=4), PrivacyConfig(clip=1.0, noise=2.0))
+    rows = torch.arange(10)
+    first = trainer.embed(rows)
+    assert all(torch.equal(first, trainer.embed(rows)) for _ in range(5))
+    trainer.step(0, None, rows)
+    trainer.step(1, torch.ones(10, 4), rows)  # the weights move: a new state, new noise
+    assert not torch.equal(first, trainer.embed(rows))
+    noise = EmbeddingNoise(PrivacyConfig(clip=1.0, noise=2.0), 40)
+    z = torch.zeros(10, 4)
+    assert torch.equal(noise.release(z, rows, state="model-a"), noise.release(z, rows, state="model-a"))
+
+
+def test_the_split_the_partners_see_says_nothing_of_the_labels() -> None:
+    """A split stratified with the public seed let a partner replay it and read the labels (0.90 AUC): by default
+    the split does not depend on the labels at all; stratified, its shuffles are the bank's secret."""
+    from bank.schedule import split_rows
+    from bank.task import Task
+
+    rng = np.random.default_rng(0)
+    labels = torch.from_numpy((rng.random(2000) < 0.12).astype(np.float32))
+    task = Task("binary")
+    config = TrainingConfig(seed=3)
+    a = split_rows(2000, labels, task, config)
+    b = split_rows(2000, labels[torch.randperm(2000)], task, config)  # other labels, the same split
+    assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("train", "val", "test"))
+    stratified = config.model_copy(update={"stratify": True})
+    s1, s2 = (split_rows(2000, labels, task, stratified, secret=Secret.fresh()) for _ in range(2))
+    assert not np.array_equal(s1.test, s2.test)  # the bank's secret, not the public seed
+    p1, p2 = (split_rows(2000, labels, task, stratified, secret=Secret.pinned_to(5)) for _ in range(2))
+    assert np.array_equal(p1.test, p2.test)
+    assert abs(float(labels[p1.test].mean()) - float(labels.mean())) < 0.01  # and stratified it is

@@ -23,7 +23,7 @@ from torch import nn
 from parties.learning.model import mlp
 
 __all__ = ["CompletionConfig", "completion_scores", "cosine_scores", "few_label_scores", "gradient_features",
-           "label_free_scores", "mean_by_row", "norm_scores"]
+           "label_free_scores", "mean_by_row", "norm_scores", "row_means"]
 
 
 def norm_scores(grads: np.ndarray) -> np.ndarray:
@@ -94,7 +94,15 @@ def gradient_features(rows: np.ndarray, steps: np.ndarray, grads: np.ndarray) ->
     return unique, (features - features.mean(axis=0)) / np.where(spread > 0, spread, 1.0)
 
 
-def label_free_scores(features: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
+def row_means(rows: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    """Each row's gradients averaged over every step that carried it, in raw coordinates (standardised), in the
+    order of ``np.unique(rows)``: noise that changes from step to step averages away here."""
+    _, mean = mean_by_row(rows, np.asarray(grads, dtype=np.float64))
+    spread = mean.std(axis=0)
+    return (mean - mean.mean(axis=0)) / np.where(spread > 0, spread, 1.0)
+
+
+def label_free_scores(features: np.ndarray, seed: int = 0, means: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Scores with no label at all, from ``gradient_features``: the off-direction energy alone, a 2-component
     Gaussian mixture and k-means (the smaller cluster taken as positive). Orientation does not matter: the leak
     AUC counts a reversed ranking as the leak it is."""
@@ -102,6 +110,9 @@ def label_free_scores(features: np.ndarray, seed: int = 0) -> dict[str, np.ndarr
     from sklearn.mixture import GaussianMixture
 
     out = {"off_direction": features[:, 2], "projection": features[:, 0]}
+    if means is not None:  # the rows' raw gradients averaged over the epochs: their first principal component
+        centred = means - means.mean(axis=0)
+        out["row_mean_pca"] = centred @ np.linalg.svd(centred, full_matrices=False)[2][0]
     gmm = GaussianMixture(2, covariance_type="full", random_state=seed, n_init=3).fit(features)
     proba = gmm.predict_proba(features)
     minority = int(np.argmin(proba.sum(axis=0)))

@@ -44,6 +44,7 @@ from bank.lab.attacks import (
     label_free_scores,
     mean_by_row,
     norm_scores,
+    row_means,
 )
 from bank.lab.references import joined_features
 from parties.errors import DataError
@@ -104,8 +105,11 @@ def label_free_leakage(g: dict[str, np.ndarray], targets: np.ndarray, *, known: 
     across epochs (no label at all), and a logistic regression on them with ``known`` labels (mean over
     ``draws`` draws of the known rows)."""
     rows, features = gradient_features(g["rows"], g["step"], g["grads"])
+    means = row_means(g["rows"], g["grads"])
     labels = targets[rows]
-    out = {f"{name}_leak_auc": _leak_auc(labels, scores) for name, scores in label_free_scores(features, seed).items()}
+    out = {f"{name}_leak_auc": _leak_auc(labels, scores)
+           for name, scores in label_free_scores(features, seed, means).items()}
+    features = np.hstack([features, means])  # the few-label attack reads both
     for count in known:
         aucs = []
         for draw in range(seed, seed + draws):

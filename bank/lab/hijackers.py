@@ -53,7 +53,8 @@ from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast",
+               "tuned-ballast"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -102,6 +103,7 @@ class HijackingBank:
         self._ready = False
         self.direction: torch.Tensor | None = None  # rank-aware: the direction it sends along
         self.rank_aware_step = 0
+        self.ballast_unit: int | None = None
         coordinator._loss = self.loss  # type: ignore[method-assign]
 
     def _setup(self) -> None:
@@ -161,14 +163,20 @@ class HijackingBank:
             return (1 - a.strength) * scaled + a.strength * honest
         if a.kind == "rank-aware":
             return self._rank_aware(fsha)
-        if a.kind == "ballast":
-            # A large, fixed gradient on one output unit, only on rows where that unit is off (a ReLU output of
-            # 0): it never reaches the partner's weights, but a test of the raw gradient sees one direction.
+        if a.kind in ("ballast", "tuned-ballast"):
+            # A large gradient on one output unit, only on rows where that unit is off (a ReLU output of 0): it
+            # never reaches the partner's weights, but a test of the raw gradient sees one direction. Tuned: just
+            # enough of it that the share of energy on units that are off sits at ``strength``, on a unit kept
+            # while it stays off on at least half as many rows as the best one (so the direction barely turns).
             dead = (z <= 0).to(fsha.dtype)
-            unit = int(dead.sum(dim=0).argmax())
-            ballast = torch.zeros_like(fsha)
-            ballast[:, unit] = a.strength * fsha.norm(dim=1).mean() * dead[:, unit]
-            return fsha + ballast
+            counts = dead.sum(dim=0)
+            if self.ballast_unit is None or counts[self.ballast_unit] < counts.max() / 2:
+                self.ballast_unit = int(counts.argmax())
+            column = torch.zeros_like(fsha)
+            column[:, self.ballast_unit] = fsha.norm(dim=1).mean() * dead[:, self.ballast_unit]
+            if a.kind == "ballast":
+                return fsha + a.strength * column
+            return fsha + self._tuned(fsha, column, dead, a.strength) * column
         if a.kind == "one-direction":
             u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
             return values[0] * torch.outer(u[:, 0], vh[0])
@@ -179,6 +187,23 @@ class HijackingBank:
         if probed.any():
             out[probed] = honest[probed] if a.answer == "honest" else (fsha + self._noise(fsha, a.strength))[probed]
         return out
+
+    @staticmethod
+    def _tuned(fsha: torch.Tensor, column: torch.Tensor, dead: torch.Tensor, target: float) -> float:
+        """The multiple of ``column`` that puts ``target`` of the energy on units that are off, by bisection."""
+        def share(c: float) -> float:
+            g = fsha + c * column
+            return float((g * dead).square().sum() / g.square().sum().clamp_min(1e-30))
+
+        if share(0.0) >= target:
+            return 0.0
+        low, high = 0.0, 1.0
+        while share(high) < target and high < 1e6:
+            low, high = high, high * 2
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if share(middle) < target else (low, middle)
+        return low
 
     def _rank_aware(self, fsha: torch.Tensor) -> torch.Tensor:
         limits = MonitorConfig()  # the public defaults

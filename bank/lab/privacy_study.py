@@ -55,7 +55,8 @@ PARTNER_BOTTOM = BottomConfig(seed=1)
 #: with 10 and 50 known labels; ``bank.lab.audit.label_free_leakage``).
 GRADIENT_ATTACKS = ("norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc",
                     "cross_epoch_direction_leak_auc", "off_direction_leak_auc", "projection_leak_auc",
-                    "mixture_leak_auc", "kmeans_leak_auc", "few_label_10_leak_auc", "few_label_50_leak_auc")
+                    "row_mean_pca_leak_auc", "mixture_leak_auc", "kmeans_leak_auc", "few_label_10_leak_auc",
+                    "few_label_50_leak_auc")
 
 #: Every label attack's leak-AUC column; ``strongest_label_leak_auc`` is their maximum.
 LABEL_ATTACKS = (*GRADIENT_ATTACKS, "model_completion_leak_auc")

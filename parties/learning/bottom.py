@@ -281,8 +281,8 @@ class BottomTrainer:
             self.model.eval()
             z = self.model(self.x.index_select(0, rows))
             self.model.train()
-            if self.dp is not None:
-                z = self.dp.release(z, rows)
+            if self.dp is not None:  # one state of the weights: the same noise however often it is asked
+                z = self.dp.release(z, rows, state=self.next_step)
             self.releases += rows.numel()
             return z
 

@@ -73,7 +73,7 @@ class MonitorConfig(BaseModel):
                          "gradient's energy exceeds this")
     drift_limit: float = Field(0.20, gt=0, le=1, description="alarm when the window's median turn of the gradient's "
                                "task directions from one step to the next (1 − mean squared cosine) exceeds this")
-    dead_limit: float = Field(0.85, gt=0, le=1, description="alarm when the window's median share of the gradient's "
+    dead_limit: float = Field(0.78, gt=0, le=1, description="alarm when the window's median share of the gradient's "
                               "energy on output units that were off for their row (energy that never reaches the "
                               "weights) exceeds this; an honest bank's was 0.41-0.72 in the hijack study")
     on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")

@@ -7,6 +7,11 @@ each release as depending on that row alone, while the bottom that computes it t
 per-sample clipping or noise (and NoPeek couples the rows of a batch), so later releases depend on every
 row and such an ε bounds nothing the bank learns. Bounding it would take DP-SGD on the bottom's updates
 composed with the releases. What the partner reports is how often each row was released.
+
+A bank that asks for the same rows again cannot average the noise away: every release of a row from one
+state of the model (an evaluation between two steps; scoring with a trained model) carries the same noise
+(``state``). A bank that moves the model a little between releases still draws new noise: this is
+obfuscation against a curious bank, not a bound against a determined one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class EmbeddingNoise:
         self.secret = secret or Secret.of(config.seed)
         self.releases = np.zeros(n_rows, dtype=np.int64)
         self._draws = 0
+        self._table: tuple[object, torch.Tensor] | None = None  # (model state, every row's noise from it)
 
     def report(self, session: str) -> PrivacyReport:
         return PrivacyReport(session=session, enabled=True, max_releases=int(self.releases.max()))
@@ -41,11 +47,21 @@ class EmbeddingNoise:
         norms = z.norm(dim=1, keepdim=True).clamp(min=1e-12)
         return z * torch.clamp(self.clip / norms, max=1.0)
 
-    def release(self, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``z`` clipped row by row, plus noise; differentiable in ``z`` (the noise is a constant)."""
+    def release(self, z: torch.Tensor, rows: torch.Tensor, state: object | None = None) -> torch.Tensor:
+        """``z`` clipped row by row, plus noise; differentiable in ``z`` (the noise is a constant).
+
+        ``state``: the model state the release comes from (a step number, a model id): every release of a row
+        from one state carries the same noise. ``None``: a training step's release, drawn once for the step."""
         clipped = self.clipped(z)
-        generator = self.secret.torch("embedding-noise", self._draws)
-        self._draws += 1
-        noise = torch.randn(z.shape, generator=generator) * self.config.noise
+        if state is None:
+            generator = self.secret.torch("embedding-noise", self._draws)
+            self._draws += 1
+            noise = torch.randn(z.shape, generator=generator)
+        else:
+            if self._table is None or self._table[0] != state:
+                generator = self.secret.torch("embedding-noise-state", state)
+                self._table = (state, torch.randn((len(self.releases), z.shape[1]), generator=generator))
+            noise = self._table[1].index_select(0, rows)
+        noise = noise * self.config.noise
         np.add.at(self.releases, rows.numpy(), 1)
         return clipped + noise
