@@ -201,7 +201,8 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
     assert (audited_run / "privacy" / "privacy_tradeoff.png").stat().st_size > 10_000
     (section5,) = [c for c in executed.cells if c.cell_type == "code" and "privacy_study(run)" in c.source]
     shown = _text(section5)  # one table per defense, over its knob, with its cost
-    assert all(d in shown for d in ("label DP", "Marvell", "NoPeek", "embedding DP", "combined", "auc_cost"))
+    assert all(d in shown for d in ("label DP", "Marvell", "matched", "NoPeek", "embedding noise", "combined",
+                                    "auc_cost"))
     attacks = ["norm_leak_auc", "direction_leak_auc", "cross_epoch_norm_leak_auc", "cross_epoch_direction_leak_auc",
                "model_completion_leak_auc"]
     # A reversed ranking leaks too: the strongest attack counts max(AUC, 1 - AUC).

@@ -22,8 +22,8 @@ from parties.tables.encoding import TabularEncoder
 from parties.tables.table import load_party_table
 from parties.transport.process import ServiceProcess
 
-#: The joint model's test ROC-AUC before subset models existed (README), which they must not change.
-JOINT_AUC = 0.9411
+#: The walkthrough's joint test ROC-AUC (README), which the subset models, trained after it, must not change.
+JOINT_AUC = 0.9344
 
 
 @pytest.fixture(scope="module")

@@ -75,8 +75,8 @@ def test_scoring_reproduces_the_runs_own_predictions_for_integer_coded_categoric
         assert customers["education"].dtype.kind == "i"
         test = customers.iloc[predictions["bank_row"].to_numpy()]
 
-        def score(frame: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
-            job = op.start_scoring(result["session"], frame.to_csv(index=False).encode())
+        def score(frame: pd.DataFrame, accept_drift: bool = False) -> tuple[pd.DataFrame, dict]:
+            job = op.start_scoring(result["session"], frame.to_csv(index=False).encode(), accept_drift=accept_drift)
             summary = op.wait(job)
             return pd.read_csv(io.BytesIO(op.scores(job.job_id))), summary
 
@@ -86,7 +86,9 @@ def test_scoring_reproduces_the_runs_own_predictions_for_integer_coded_categoric
 
         # The code is a category: changing it changes the score.
         changed = test.assign(education=np.where(test["education"] == 3, 5, 3))
-        rescored, _ = score(changed)
+        with pytest.raises(PeerError, match="population stability index above 0.25 for bank: 'education'"):
+            score(changed)  # a column this far from its training distribution is refused, named
+        rescored, _ = score(changed, accept_drift=True)
         assert np.abs(rescored["score"].to_numpy() - scored["score"].to_numpy()).max() > 1e-3
 
         # An unseen code and a missing income take the declared policies, and are counted, not hidden.
