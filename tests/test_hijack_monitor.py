@@ -305,3 +305,24 @@ def test_what_the_rank_test_does_not_catch_a_bank_shaped_under_its_limits(small)
     """Documented, not hidden (README): a bank that knows the limits can shape FSHA to pass them."""
     bank = _train(small, Attacker("rank-aware", "rank-aware"), MonitorConfig(watch=True))
     assert len(bank.sent) == TRAINED
+
+
+def test_energy_that_never_reaches_the_weights_is_counted_and_ballast_alarms() -> None:
+    """A ballast bank pads the gradient on output units that are off for the row (a ReLU at 0): the raw
+    gradient then looks one-dimensional to the rank test, but the monitor sees where its energy lands."""
+    generator = torch.Generator().manual_seed(0)
+    active = (torch.rand(64, 16, generator=generator) > 0.4).float()  # the bottom's output units that are on
+    direction = torch.randn(16, generator=generator)
+    honest = torch.randn(64, 1, generator=generator) * direction  # one direction, as a task's gradient
+    hijack = torch.randn(64, 16, generator=generator)  # every direction, as FSHA's
+    ballast = torch.zeros(64, 16)
+    ballast[:, 3] = 30.0 * (1 - active[:, 3])  # only where unit 3 is off: it reaches nothing
+    results = {}
+    for name, grad in (("honest", honest), ("ballast", hijack + ballast)):
+        monitor = HijackMonitor(MonitorConfig(watch=True, on_alarm="warn"))
+        for step in range(25):
+            monitor.observe(step, grad, active)
+        results[name] = monitor
+    assert results["honest"].alarm is None
+    assert results["ballast"].alarm is not None and "never reaches this partner's weights" in results["ballast"].alarm
+    assert float(np.median(results["ballast"].dead)) > 0.78 > float(np.median(results["honest"].dead))

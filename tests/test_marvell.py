@@ -250,3 +250,32 @@ def test_persistent_noise_is_the_same_in_every_process(tmp_path: Path) -> None:
         for h in (1, 2, 3)
     }
     assert len(outputs) == 1, outputs
+
+
+def _one_dimensional_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A binary task's batch as it reaches a partner: each row's gradient (p - y) times one direction, plus a
+    little spread: nearly one-dimensional, the positives the minority with the larger factor."""
+    generator = torch.Generator().manual_seed(seed)
+    targets = (torch.rand(1024, generator=generator) < 0.12).float()
+    p = torch.rand(1024, generator=generator) * 0.3
+    direction = torch.randn(16, generator=generator)
+    grad = (p - targets)[:, None] * direction + 0.02 * torch.randn(1024, 16, generator=generator)
+    return grad, targets
+
+
+@pytest.mark.parametrize(("defense", "leaks"), [("marvell", True), ("matched", False)])
+def test_the_off_direction_energy_reads_marvell_but_not_matched_noise(defense: str, leaks: bool) -> None:
+    """Marvell's model spreads each class alike in every direction; task gradients are not, so it gives one
+    class off-direction noise the other lacks, and a partner with no label reads it. Matched noise gives each
+    class the other's covariance."""
+    from bank.lab.attacks import gradient_features, label_free_scores
+
+    grad, targets = _one_dimensional_batch(0)
+    rows = torch.arange(1024)
+    protect = GradientDefense(defense, power=1.0, batch=1024, secret=Secret.pinned_to(3), persistence=1.0, rows=1024)
+    noisy = [protect(grad, targets, step, 1, rows) for step in range(6)]  # six epochs of the same rows
+    unique, features = gradient_features(rows.repeat(6).numpy(), torch.arange(6).repeat_interleave(1024).numpy(),
+                                         torch.cat(noisy).numpy())
+    auc = roc_auc_score(targets.numpy()[unique], label_free_scores(features)["off_direction"])
+    leak = max(auc, 1 - auc)
+    assert (leak > 0.9) if leaks else (leak < 0.65), leak
