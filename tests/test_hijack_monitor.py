@@ -25,8 +25,8 @@ from tests.training_helpers import PartnerProcess, federation
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
 
 
-def share(grad: torch.Tensor, rank: int) -> float:
-    return HijackMonitor.off_task_share(HijackMonitor.spectrum(grad)[0], rank)
+def share(grad: torch.Tensor, rank: int, active: torch.Tensor | None = None) -> float:
+    return HijackMonitor.task_fit(grad, active, rank)[0]
 
 
 def test_the_off_task_share_is_what_lies_outside_the_task_directions() -> None:
@@ -120,7 +120,7 @@ def _train(small, attacker: Attacker, monitor: MonitorConfig, seed: int = 0, ste
 TRAINED = 39
 
 ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5), Attacker("one", "one-direction"),
-            Attacker("probe-aware", "probe-aware", answer="honest")]
+            Attacker("probe-aware", "probe-aware", answer="honest"), Attacker("ballast", "ballast", 20.0)]
 
 
 @pytest.mark.parametrize("attacker", [Attacker("FSHA", "fsha"), *ADAPTIVE], ids=lambda a: a.name)
@@ -220,6 +220,7 @@ def test_wilson_intervals() -> None:
     assert low < 0.05 < high and high == pytest.approx(0.2361, abs=1e-3)
 
 
+@pytest.mark.timeout(1500)  # a small study of its own: minutes on a loaded two-core machine
 def test_the_study_writes_a_row_per_bank_with_its_rates(tmp_path: Path, bank_full: Path) -> None:
     config = StudyConfig(rows=1500, epochs=2, aux_rows=1000)
     attackers = [Attacker("FSHA", "fsha"), Attacker("probe-aware: copies answered honestly", "probe-aware")]
@@ -307,16 +308,24 @@ def test_what_the_rank_test_does_not_catch_a_bank_shaped_under_its_limits(small)
     assert len(bank.sent) == TRAINED
 
 
-def test_energy_that_never_reaches_the_weights_is_counted_and_ballast_alarms() -> None:
-    """A ballast bank pads the gradient on output units that are off for the row (a ReLU at 0): the raw
-    gradient then looks one-dimensional to the rank test, but the monitor sees where its energy lands."""
+def test_the_rank_test_judges_only_what_reaches_the_weights() -> None:
+    """Nothing on an output unit that is off for the row (a ReLU at 0) reaches the partner's weights: the test
+    leaves those entries out, so ballast there changes nothing it reads, and an honest gradient's own values
+    there (the top does not know the unit is off) cannot make it look like a hijack."""
     generator = torch.Generator().manual_seed(0)
     active = (torch.rand(64, 16, generator=generator) > 0.4).float()  # the bottom's output units that are on
+    dead = 1 - active
     direction = torch.randn(16, generator=generator)
-    honest = torch.randn(64, 1, generator=generator) * direction  # one direction, as a task's gradient
+    honest = torch.randn(64, 1, generator=generator) * direction + dead * torch.randn(64, 16, generator=generator)
     hijack = torch.randn(64, 16, generator=generator)  # every direction, as FSHA's
     ballast = torch.zeros(64, 16)
-    ballast[:, 3] = 30.0 * (1 - active[:, 3])  # only where unit 3 is off: it reaches nothing
+    ballast[:, 3] = 30.0 * dead[:, 3]  # only where unit 3 is off: it reaches nothing
+    assert share(honest, 1, active) < 1e-6 < 0.2 < share(honest, 1)  # off-task only where nothing arrives
+    assert share(hijack, 1, active) > 0.5
+    assert share(hijack + ballast, 1) < 0.2  # to a test of the raw gradient the ballast is one direction
+    padded, plain = HijackMonitor.task_fit(hijack + ballast, active, 1), HijackMonitor.task_fit(hijack, active, 1)
+    assert padded[0] == plain[0] and np.array_equal(padded[1], plain[1])  # the ballast is not seen at all
+    assert HijackMonitor.task_fit(hijack, torch.ones(64, 16), 1)[0] == pytest.approx(share(hijack, 1), abs=1e-12)
     results = {}
     for name, grad in (("honest", honest), ("ballast", hijack + ballast)):
         monitor = HijackMonitor(MonitorConfig(watch=True, on_alarm="warn"))
@@ -324,5 +333,16 @@ def test_energy_that_never_reaches_the_weights_is_counted_and_ballast_alarms() -
             monitor.observe(step, grad, active)
         results[name] = monitor
     assert results["honest"].alarm is None
-    assert results["ballast"].alarm is not None and "never reaches this partner's weights" in results["ballast"].alarm
-    assert float(np.median(results["ballast"].dead)) > 0.78 > float(np.median(results["honest"].dead))
+    assert results["ballast"].alarm is not None and results["ballast"].alarm_step == 19
+    assert "reaches this partner's weights" in results["ballast"].alarm
+
+
+def test_a_row_with_every_unit_off_or_a_unit_off_on_every_row_is_fitted_without_error() -> None:
+    generator = torch.Generator().manual_seed(1)
+    active = torch.ones(32, 8)
+    active[5] = 0  # this row reaches nothing
+    active[:, 2] = 0  # this unit is off everywhere
+    grad = torch.randn(32, 1, generator=generator) * torch.randn(1, 8, generator=generator)
+    left, directions = HijackMonitor.task_fit(grad, active, 1)
+    assert left < 1e-9 and directions is not None and np.isfinite(directions).all()
+    assert HijackMonitor.task_fit(grad, torch.zeros(32, 8), 1) == (0.0, None)  # nothing reaches: nothing to judge

@@ -48,9 +48,7 @@ def default_attackers() -> list[Attacker]:
         *(Attacker(f"FSHA mixed with {b:.0%} honest gradient", "mix", b) for b in (0.5, 0.8, 0.95)),
         Attacker("FSHA cut to one direction per step", "one-direction"),
         Attacker("rank-aware: shaped under the rank test's limits", "rank-aware"),
-        Attacker("ballast: a large gradient on dead output units", "ballast", 20.0),
-        Attacker("ballast tuned to 0.76 of the energy on dead units", "tuned-ballast", 0.76),
-        Attacker("ballast tuned to 0.83 of the energy on dead units", "tuned-ballast", 0.83),
+        *(Attacker(f"ballast ×{r:g}: a gradient on output units that are off", "ballast", r) for r in (1.0, 20.0)),
         Attacker("probe-aware: copies answered honestly", "probe-aware", answer="honest"),
         Attacker("probe-aware: copies answered with noise ×0.5", "probe-aware", 0.5, answer="noise"),
     ]

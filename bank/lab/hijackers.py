@@ -21,10 +21,14 @@ The adaptive banks know the partner's monitor and try to hide from it:
 - ``one-direction``: FSHA's gradient cut to its top singular direction at each step, as a binary task's
   gradient is (against the rank test's energy share).
 - ``rank-aware`` (found by an independent adversarial review): shapes FSHA to pass the rank test's defaults.
-  Each step sends FSHA's gradient along one direction that follows FSHA's own top direction but turns at most
-  0.8 × ``drift_limit`` per step, plus the rest of FSHA's gradient scaled (by bisection on the monitor's own
-  arithmetic) to an off-task share of 0.95 × ``limit``, and on 9 of every 20 steps (under half a window, so
-  the median never sees them) to a share of 0.9.
+  It reads from the embedding which output units are on (only those entries reach the weights, and only
+  those the test judges), and each step sends FSHA's gradient there along one direction that follows FSHA's
+  own top direction but turns at most half the ``drift_limit`` per step, plus the rest of FSHA's gradient scaled
+  (by bisection on the monitor's own arithmetic) to an off-task share of 0.95 × ``limit``, and on 9 of every
+  20 steps (under half a window, so the median never sees them) to a share of 0.9.
+- ``ballast``: FSHA plus a large, fixed gradient on an output unit where it is off for the row (found by an
+  independent adversarial review): it never reaches the weights, but would dominate a test of the raw
+  gradient.
 - ``probe-aware``: FSHA, except rows whose embedding is an exact duplicate of another row's in the batch
   (a copy probe) are answered with the honest gradient (``answer="honest"``) or with FSHA's plus noise of
   ``strength`` (``answer="noise"``).
@@ -48,13 +52,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bank.trainer import Coordinator
-from parties.learning.hijack_monitor import MonitorConfig
+from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast",
-               "tuned-ballast"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -162,21 +165,17 @@ class HijackingBank:
             scaled = fsha * (honest.norm(dim=1).mean() / fsha.norm(dim=1).mean().clamp_min(1e-12))
             return (1 - a.strength) * scaled + a.strength * honest
         if a.kind == "rank-aware":
-            return self._rank_aware(fsha)
-        if a.kind in ("ballast", "tuned-ballast"):
+            return self._rank_aware(fsha, z)
+        if a.kind == "ballast":
             # A large gradient on one output unit, only on rows where that unit is off (a ReLU output of 0): it
-            # never reaches the partner's weights, but a test of the raw gradient sees one direction. Tuned: just
-            # enough of it that the share of energy on units that are off sits at ``strength``, on a unit kept
-            # while it stays off on at least half as many rows as the best one (so the direction barely turns).
+            # never reaches the partner's weights, but a test of the raw gradient would see one direction.
             dead = (z <= 0).to(fsha.dtype)
             counts = dead.sum(dim=0)
             if self.ballast_unit is None or counts[self.ballast_unit] < counts.max() / 2:
-                self.ballast_unit = int(counts.argmax())
+                self.ballast_unit = int(counts.argmax())  # kept while it stays off often, so it barely turns
             column = torch.zeros_like(fsha)
             column[:, self.ballast_unit] = fsha.norm(dim=1).mean() * dead[:, self.ballast_unit]
-            if a.kind == "ballast":
-                return fsha + a.strength * column
-            return fsha + self._tuned(fsha, column, dead, a.strength) * column
+            return fsha + a.strength * column
         if a.kind == "one-direction":
             u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
             return values[0] * torch.outer(u[:, 0], vh[0])
@@ -188,47 +187,31 @@ class HijackingBank:
             out[probed] = honest[probed] if a.answer == "honest" else (fsha + self._noise(fsha, a.strength))[probed]
         return out
 
-    @staticmethod
-    def _tuned(fsha: torch.Tensor, column: torch.Tensor, dead: torch.Tensor, target: float) -> float:
-        """The multiple of ``column`` that puts ``target`` of the energy on units that are off, by bisection."""
-        def share(c: float) -> float:
-            g = fsha + c * column
-            return float((g * dead).square().sum() / g.square().sum().clamp_min(1e-30))
-
-        if share(0.0) >= target:
-            return 0.0
-        low, high = 0.0, 1.0
-        while share(high) < target and high < 1e6:
-            low, high = high, high * 2
-        for _ in range(30):
-            middle = (low + high) / 2
-            low, high = (middle, high) if share(middle) < target else (low, middle)
-        return low
-
-    def _rank_aware(self, fsha: torch.Tensor) -> torch.Tensor:
+    def _rank_aware(self, fsha: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         limits = MonitorConfig()  # the public defaults
+        live = (z > 0).to(fsha.dtype)  # the bank sees the embedding, so it knows what reaches the weights
+        fsha = fsha * live
         top = torch.linalg.svd(fsha, full_matrices=False)[2][0]
         step, self.rank_aware_step = self.rank_aware_step, self.rank_aware_step + 1
         if self.direction is None:
             self.direction = top
         else:
             top = top if float(top @ self.direction) >= 0 else -top
-            if 1 - float(top @ self.direction) ** 2 > 0.8 * limits.drift_limit:  # turn no more than this
+            if 1 - float(top @ self.direction) ** 2 > 0.5 * limits.drift_limit:  # turn no more than this
                 across = _unit(top - (top @ self.direction) * self.direction)
-                angle = math.asin(math.sqrt(0.8 * limits.drift_limit))
+                angle = math.asin(math.sqrt(0.5 * limits.drift_limit))
                 top = math.cos(angle) * self.direction + math.sin(angle) * across
             self.direction = _unit(top)
-        main = torch.outer(fsha @ self.direction, self.direction)
+        # Each row's best multiple of the direction over its live units: a gradient the test fits exactly.
+        weight = (live * self.direction.square()).sum(dim=1).clamp_min(1e-30)
+        main = torch.outer((fsha @ self.direction) / weight, self.direction) * live
         rest = fsha - main
-        along = _unit(main @ self.direction)
-        rest = rest - torch.outer(along, along @ rest)  # so the main direction stays exactly on top
         share = 0.9 if step % limits.window < limits.window // 2 - 1 else 0.95 * limits.limit
-        m, r, v = main.double().numpy(), rest.double().numpy(), self.direction.double().numpy()
+        v = self.direction.double().numpy()
 
-        def passes(c: float) -> bool:
-            g = m + c * r
-            energy, vectors = np.linalg.eigh(g.T @ g)
-            return 1 - energy[-1] / energy.sum() <= share and 1 - float(vectors[:, -1] @ v) ** 2 <= 0.01
+        def passes(c: float) -> bool:  # the monitor's own arithmetic
+            left, directions = HijackMonitor.task_fit(main + c * rest, live, 1)
+            return left <= share and (directions is None or 1 - float(directions[:, 0] @ v) ** 2 <= 0.01)
 
         low, high = 0.0, 1.0
         while passes(high) and high < 1e6:

@@ -69,13 +69,10 @@ class MonitorConfig(BaseModel):
     task_rank: int = Field(1, ge=1, le=4096, description="the task's output width: 1 for a binary or regression "
                            "task, the number of classes for a multiclass one")
     window: int = Field(20, ge=1, description="training steps the rank test judges together")
-    limit: float = Field(0.20, gt=0, lt=1, description="alarm when the window's median off-task share of the "
-                         "gradient's energy exceeds this")
+    limit: float = Field(0.10, gt=0, lt=1, description="alarm when the window's median off-task share of the "
+                         "energy of the gradient that reaches the weights exceeds this")
     drift_limit: float = Field(0.20, gt=0, le=1, description="alarm when the window's median turn of the gradient's "
                                "task directions from one step to the next (1 − mean squared cosine) exceeds this")
-    dead_limit: float = Field(0.78, gt=0, le=1, description="alarm when the window's median share of the gradient's "
-                              "energy on output units that were off for their row (energy that never reaches the "
-                              "weights) exceeds this; an honest bank's was 0.41-0.72 in the hijack study")
     on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")
     probe_every: int = Field(0, ge=0, description="copy probes every N steps (0: off)")
     pairs: int = Field(4, ge=1, description="embeddings copied per probe step")

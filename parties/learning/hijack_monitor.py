@@ -9,16 +9,15 @@ number for a binary or regression task, one per class for a multiclass one), car
 Jacobian Jᵢ. So a batch's task gradients lie close to ``task_rank`` directions, however the labels fall, and
 those directions turn only as fast as the bank's top learns. An adversarial loss on the embedding itself
 moves all of the embedding's directions; confined to ``task_rank`` of them, it must turn them from step to
-step to reshape the embeddings. Every training step the monitor takes (1) the share of the gradient's
-energy outside its top ``task_rank`` singular directions and (2) how far those directions turned since the
-last step (1 − the mean squared cosine of the principal angles). When the median of either over
-``window`` steps exceeds its limit (``limit``, ``drift_limit``) it stops applying gradients and says why
+step to reshape the embeddings. The test judges the gradient as the partner's weights receive it: where the
+bottom's output unit was off for a row (a ReLU at 0) nothing reaches the weights, so those entries are left
+out, and a bank cannot pad its gradient there ("ballast") to pass. Every training step the monitor fits the
+entries that reach the weights with ``task_rank`` directions (a low-rank fit over those entries only,
+``task_fit``) and takes (1) the share of their energy the fit leaves and (2) how far the fitted directions
+turned since the last step (1 − the mean squared cosine of the principal angles). When the median of either
+over ``window`` steps exceeds its limit (``limit``, ``drift_limit``) it stops applying gradients and says why
 (``on_alarm="warn"``: it logs and goes on). It sends nothing and adds no byte; with no alarm, training is
-bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. A bank
-could pad its gradient with a large, fixed component on output units that are off for a row (a ReLU at
-0): such "ballast" never reaches the partner's weights, yet dominates the spectrum the test reads; so the
-monitor also takes (3) the share of each step's energy on units that were off, and alarms when its window
-median passes ``dead_limit`` (an honest bank's sat at 0.41-0.72 in the study, ballast at 0.99). What it
+bit for bit what it is without it. Noise a bank adds to hide a hijack only adds off-task energy. What it
 cannot see: a hijack mixed into a large enough share of honest gradient, and one shaped to stay under its
 limits (a main direction that turns just slowly enough, off-task energy just under the limit, bursts in
 under half a window); a bank gradient defense that adds noise in every direction (isotropic, max-norm,
@@ -58,7 +57,6 @@ class HijackMonitor:
         # The rank test: the last window's off-task shares and turns, and the last step's task directions.
         self.shares: deque[float] = deque(maxlen=config.window)
         self.turns: deque[float] = deque(maxlen=config.window)
-        self.dead: deque[float] = deque(maxlen=config.window)  # the share of energy on output units that were off
         self.directions: np.ndarray | None = None  # d × task_rank
         self.observed = 0  # gradients the rank test has read
         self.alarm: str | None = None
@@ -78,35 +76,53 @@ class HijackMonitor:
         return " and ".join(parts)
 
     @staticmethod
-    def spectrum(grad: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """``grad``'s squared singular values (ascending) and right singular vectors (columns), from the d × d
-        Gram matrix: a fifth of an SVD's time on a batch's gradient, in float64 so small energies keep their
-        digits."""
-        g = grad.detach().numpy().astype(np.float64)
-        return np.linalg.eigh(g.T @ g)
+    def task_fit(grad: torch.Tensor, active: torch.Tensor | None, rank: int,
+                 iterations: int = 10) -> tuple[float, np.ndarray | None]:
+        """How far ``grad`` is from a task's gradient, over the entries that reach the weights.
+
+        Returns the share of the energy of ``grad ⊙ active`` that its best fit by ``rank`` directions leaves,
+        and those directions (orthonormal columns, d × ``rank``; None for a zero gradient). With every unit on
+        (or ``active`` None) that is the energy outside the top ``rank`` singular directions, from the d × d
+        Gram matrix in float64; otherwise a fit over the live entries only, by alternating least squares
+        started from those singular directions (each row's coefficients, then each unit's directions)."""
+        g = grad.detach().double().numpy()
+        live = None if active is None else active.detach().double().numpy()
+        if live is not None and live.all():
+            live = None
+        if live is not None:
+            g = g * live
+        total = float(np.square(g).sum())
+        if total <= 0:
+            return 0.0, None
+        energy, vectors = np.linalg.eigh(g.T @ g)
+        v = vectors[:, -rank:]
+        if live is None:
+            return max(0.0, 1.0 - float(energy[-rank:].sum()) / total), v
+        for _ in range(iterations):
+            u = HijackMonitor._solve(np.einsum("bd,dk,dl->bkl", live, v, v), g @ v)
+            v = HijackMonitor._solve(np.einsum("bd,bk,bl->dkl", live, u, u), g.T @ u)
+        left = float(np.square(g - live * (u @ v.T)).sum())
+        return min(1.0, left / total), np.linalg.qr(v)[0]
 
     @staticmethod
-    def off_task_share(energy: np.ndarray, rank: int) -> float:
-        """The share of the energy outside the top ``rank`` directions (0 for a zero gradient)."""
-        total = float(energy.sum())
-        return max(0.0, 1.0 - float(energy[-rank:].sum()) / total) if total > 0 else 0.0
+    def _solve(gram: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Each row's least squares ``gram[i] x = b[i]``, with a ridge that keeps empty rows at 0."""
+        ridge = 1e-12 * (np.trace(gram, axis1=1, axis2=2).max() + 1e-300)
+        if gram.shape[-1] == 1:  # one direction (a binary or regression task): a division, 10x faster
+            return b / (gram[..., 0] + ridge)
+        return np.linalg.solve(gram + ridge * np.eye(gram.shape[-1]), b[..., None])[..., 0]
 
     def observe(self, step: int, grad: torch.Tensor, active: torch.Tensor | None = None) -> None:
         """The rank test: read the gradient the bank returned for ``step``'s embedding. ``active``: where the
-        bottom's output units were on for each row (1) or off (0, a ReLU at 0): the part of the gradient on
-        units that were off never reaches the partner's weights."""
+        bottom's output units were on for each row (1) or off (0, a ReLU at 0); what the bank puts on units
+        that were off never reaches the weights, so the test leaves it out."""
         if not self.config.watch or self.alarm is not None:
             return
-        if active is not None:
-            total = float(grad.double().square().sum())
-            if total > 0:
-                self.dead.append(float((grad.double() * (1 - active.double())).square().sum()) / total)
         rank = self.config.task_rank
-        energy, vectors = self.spectrum(grad)
-        if float(energy.sum()) <= 0:  # nothing moved: nothing to judge
+        share, directions = self.task_fit(grad, active, rank)
+        if directions is None:  # nothing moved: nothing to judge
             return
-        self.shares.append(self.off_task_share(energy, rank))
-        directions = vectors[:, -rank:]
+        self.shares.append(share)
         if self.directions is not None:
             self.turns.append(1.0 - float(np.square(directions.T @ self.directions).sum()) / rank)
         self.directions = directions
@@ -114,14 +130,9 @@ class HijackMonitor:
         window = self.config.window
         if len(self.shares) == window and (share := float(np.median(self.shares))) > self.config.limit:
             self._raise(step, (
-                f"hijack suspected: over the last {window} steps the bank's gradients put a median {share:.1%} of "
-                f"their energy outside the {rank} direction(s) a task's gradient can take (limit "
-                f"{self.config.limit:.0%}); an honest task loss cannot do that. {self._consequence}"))
-        elif len(self.dead) == window and (dead := float(np.median(self.dead))) > self.config.dead_limit:
-            self._raise(step, (
-                f"hijack suspected: over the last {window} steps the bank's gradients put a median {dead:.1%} of "
-                f"their energy on output units that were off for their row (limit {self.config.dead_limit:.0%}): "
-                f"energy that never reaches this partner's weights, which only padding to pass a test needs. "
+                f"hijack suspected: over the last {window} steps a median {share:.1%} of the energy of the bank's "
+                f"gradients that reaches this partner's weights lay outside the {rank} direction(s) a task's "
+                f"gradient can take (limit {self.config.limit:.0%}); an honest task loss cannot do that. "
                 f"{self._consequence}"))
         elif len(self.turns) == window and (turn := float(np.median(self.turns))) > self.config.drift_limit:
             self._raise(step, (
@@ -136,15 +147,13 @@ class HijackMonitor:
 
     def state(self) -> dict:
         """The rank test's state, as JSON, for a checkpoint."""
-        return {"shares": list(self.shares), "turns": list(self.turns), "dead": list(self.dead),
-                "observed": self.observed,
+        return {"shares": list(self.shares), "turns": list(self.turns), "observed": self.observed,
                 "directions": None if self.directions is None else self.directions.tolist(),
                 "alarm": self.alarm, "alarm_step": self.alarm_step}
 
     def load_state(self, meta: dict) -> None:
         self.shares = deque(meta.get("shares", []), maxlen=self.config.window)
         self.turns = deque(meta.get("turns", []), maxlen=self.config.window)
-        self.dead = deque(meta.get("dead", []), maxlen=self.config.window)
         self.observed = meta.get("observed", 0)
         directions = meta.get("directions")
         self.directions = None if directions is None else np.array(directions, dtype=np.float64)
