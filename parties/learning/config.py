@@ -71,7 +71,7 @@ class MonitorConfig(BaseModel):
     window: int = Field(20, ge=1, description="training steps the rank test judges together")
     limit: float = Field(0.10, gt=0, lt=1, description="alarm when the window's median off-task share of the "
                          "energy of the gradient that reaches the weights exceeds this")
-    drift_limit: float = Field(0.20, gt=0, le=1, description="alarm when the window's median turn of the gradient's "
+    drift_limit: float = Field(0.40, gt=0, le=1, description="alarm when the window's median turn of the gradient's "
                                "task directions from one step to the next (1 − mean squared cosine) exceeds this")
     on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")
     probe_every: int = Field(0, ge=0, description="copy probes every N steps (0: off)")
