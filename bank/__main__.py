@@ -257,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     hs.add_argument("--runs", type=int, default=20, help="seeded runs per bank, seeds 0 to N-1 (default %(default)s)")
     hs.add_argument("--rows", type=int, default=5000, help="customers in the seeded slice (default %(default)s)")
     hs.add_argument("--epochs", type=int, default=17, help="epochs per run (default %(default)s)")
+    hs.add_argument("--project", action="store_true",
+                    help="the partners apply only each gradient's task part (--hijack-project)")
     hs.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(hs)
 

@@ -87,9 +87,11 @@ def privacy_study(args: argparse.Namespace) -> int:
 
 def hijack_study(args: argparse.Namespace) -> int:
     from bank.lab.hijack_study import StudyConfig, default_attackers, format_study, monitor_cost, run_hijack_study
+    from parties.learning.config import MonitorConfig
 
     _at_least_one(("--runs", args.runs), ("--rows", args.rows), ("--epochs", args.epochs))
-    config = StudyConfig(rows=args.rows, epochs=args.epochs)
+    config = StudyConfig(rows=args.rows, epochs=args.epochs,
+                         monitor=MonitorConfig(watch=True, on_alarm="warn", project=args.project))
     banks = len(default_attackers()) + 1
     counter = iter(range(1, banks + 1))
     result = run_hijack_study(args.out, runs=args.runs, config=config, cache=args.cache_dir,

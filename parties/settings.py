@@ -286,7 +286,7 @@ def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ..
 _FLAGS = {
     "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
     "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
-    "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank",
+    "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank", "monitor.project": "--hijack-project",
 }
 
 

@@ -40,9 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {default_of(PrivacyConfig, 'nopeek')}: off)")
     s.add_argument("--hijack-monitor", action="store_true", default=None,
                    help="watch for a hijacking bank with the rank test: read every gradient the bank returns and "
-                        "stop when they move more directions than the task can, or turn faster than the bank's "
-                        "model learns (no extra bytes; training unchanged unless it alarms; not with a bank "
+                        "stop when they move more directions than the task can, or wander further than the "
+                        "bank's model learns (no extra bytes; training unchanged unless it alarms; not with a bank "
                         "that adds gradient noise)")
+    s.add_argument("--hijack-project", action="store_true", default=None,
+                   help="with --hijack-monitor, apply only each gradient's task part (the rank test's fit): what a "
+                        "bank hides under the monitor's limits never reaches the weights (training then differs "
+                        "slightly from an unmonitored partner's)")
     s.add_argument("--hijack-task-rank", type=int, default=None, metavar="K",
                    help="the rank test's task output width: 1 for a binary or regression task, the number of "
                         f"classes for a multiclass one (default {default_of(MonitorConfig, 'task_rank')})")
@@ -109,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = load_settings(
         PartnerSettings, **service_values(args), bottom=bottom or None, privacy=privacy or None,
         monitor={k: v for k, v in (("watch", args.hijack_monitor), ("task_rank", args.hijack_task_rank),
-                                   ("probe_every", args.hijack_probe_every)) if v is not None} or None,
+                                   ("project", args.hijack_project), ("probe_every", args.hijack_probe_every)) if v is not None} or None,
     )
     assert isinstance(settings, PartnerSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)

@@ -188,12 +188,14 @@ def test_a_real_partner_service_stops_a_noisy_hijacker(pki, bank_full: Path, tmp
             hijacker.run()
 
 
-def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(pki, bank_full: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [("--hijack-monitor",), ("--hijack-monitor", "--hijack-project")], ids=" ".join)
+def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(
+        pki, bank_full: Path, tmp_path: Path, flags: tuple[str, ...]) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
     started: list[PartnerProcess] = []
 
     def start(data: Path, name: str, bottom: BottomConfig) -> PartnerProcess:
-        started.append(PartnerProcess(pki, data, tmp_path / name, bottom, "--hijack-monitor"))
+        started.append(PartnerProcess(pki, data, tmp_path / name, bottom, *flags))
         return started[-1]
 
     try:
@@ -210,6 +212,7 @@ def test_partner_serve_with_the_hijack_monitor_flag_stops_a_hijacker(pki, bank_f
     log = started[0].log.read_text()
     assert "hijack monitor on: the rank test (task rank 1, 20-step window" in log  # said at each session's start
     assert "hijack suspected" in log
+    assert ("applying only each gradient's task part" in log) == ("--hijack-project" in flags)
 
 
 # --- the study -------------------------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ def test_the_study_writes_a_row_per_bank_with_its_rates(tmp_path: Path, bank_ful
     result = run_hijack_study(tmp_path, runs=2, attackers=attackers, config=config, cache=bank_full.parent,
                               download=False)
     runs = pd.read_csv(tmp_path / "hijack_runs.csv")
-    assert len(runs) == 6 and set(runs.seed) == {0, 1}
+    assert len(runs) == 6 and set(runs.seed) == {0, 1} and runs.test_roc_auc.between(0, 1).all()
     study = result["study"].set_index("bank")
     assert list(study.index) == ["honest bank", "FSHA", "probe-aware: copies answered honestly"]
     assert study.loc["honest bank", "rank_alarm_rate"] == 0.0
@@ -266,9 +269,9 @@ def test_the_monitor_cost_is_printed_beside_an_unmonitored_partner() -> None:
     assert (cost.median_step_us > 0).all()
 
 
-def test_the_rank_test_sees_a_one_direction_hijack_turn() -> None:
-    """A hijack cut to one direction per step has no off-task energy, but its direction turns from step to step;
-    a task's turns only as fast as the top learns."""
+def test_the_rank_test_sees_a_one_direction_hijack_wander() -> None:
+    """A hijack cut to one direction per step has no off-task energy, but its direction goes all over the
+    embedding; a task's jitters from batch to batch around one that moves only as fast as the top learns."""
     gen = torch.Generator().manual_seed(4)
     turning = HijackMonitor(MonitorConfig(watch=True, window=5))
     steady = HijackMonitor(MonitorConfig(watch=True, window=5))
@@ -276,9 +279,39 @@ def test_the_rank_test_sees_a_one_direction_hijack_turn() -> None:
     for step in range(8):
         turning.observe(step, torch.randn(32, 1, generator=gen) * torch.randn(1, 8, generator=gen))
         direction = direction + 0.01 * torch.randn(8, generator=gen)  # a top that learns slowly
-        steady.observe(step, torch.randn(32, 1, generator=gen) * direction)
-    assert turning.alarm is not None and "turned" in turning.alarm and max(turning.shares) < 1e-6
+        jitter = 0.15 * direction.norm() * torch.randn(8, generator=gen) / 8**0.5  # and a batch's own
+        steady.observe(step, torch.randn(32, 1, generator=gen) * (direction + jitter))
+    assert turning.alarm is not None and "wandered" in turning.alarm and max(turning.shares) < 1e-6
     assert steady.alarm is None and steady.observed == 8
+
+
+def test_a_direction_that_creeps_a_little_every_step_is_judged_by_where_it_went() -> None:
+    """Turning 10 degrees a step passes any step-to-step test an honest task's jitter passes, but over the
+    drift window the direction has gone round the embedding."""
+    gen = torch.Generator().manual_seed(6)
+    creeping = HijackMonitor(MonitorConfig(watch=True, window=5, drift_window=40))
+    a, b = torch.zeros(8), torch.zeros(8)
+    a[0], b[1] = 1.0, 1.0
+    for step in range(40):
+        angle = math.radians(10 * step)
+        creeping.observe(step, torch.randn(32, 1, generator=gen) * (math.cos(angle) * a + math.sin(angle) * b))
+    assert 1 - math.cos(math.radians(10)) ** 2 < 0.04  # each step's turn is small
+    assert creeping.alarm is not None and "wandered" in creeping.alarm and 5 <= creeping.alarm_step < 39
+
+
+def test_off_task_bursts_in_under_half_a_window_count() -> None:
+    """A median over the window never sees bursts on 9 steps of 20; the mean does."""
+    gen = torch.Generator().manual_seed(7)
+    direction = torch.randn(1, 8, generator=gen)
+    bursting = HijackMonitor(MonitorConfig(watch=True, window=20))
+    steady = HijackMonitor(MonitorConfig(watch=True, window=20))
+    for step in range(20):
+        task = torch.randn(32, 1, generator=gen) * direction
+        off = torch.randn(32, 8, generator=gen) * (step < 9)
+        bursting.observe(step, task + 3 * off * task.norm() / 32**0.5)
+        steady.observe(step, task)
+    assert float(np.median(bursting.shares)) < 1e-6 < bursting.config.limit < float(np.mean(bursting.shares))
+    assert bursting.alarm is not None and "mean" in bursting.alarm and steady.alarm is None
 
 
 def test_a_task_rank_the_embedding_cannot_exceed_is_refused_naming_the_flags(tmp_path: Path) -> None:
@@ -300,6 +333,8 @@ def test_restoring_a_monitor_replaces_its_window() -> None:
         monitor.observe(step, torch.randn(16, 1, generator=gen) * torch.ones(1, 8))
     monitor.load_state(saved)
     assert list(monitor.shares) == saved["shares"] and monitor.observed == 3
+    assert len(monitor.directions) == 3 and all(d.shape == (8, 1) for d in monitor.directions)
+    assert [d.tolist() for d in monitor.directions] == saved["directions"]
 
 
 def test_what_the_rank_test_does_not_catch_a_bank_shaped_under_its_limits(small) -> None:
@@ -346,3 +381,68 @@ def test_a_row_with_every_unit_off_or_a_unit_off_on_every_row_is_fitted_without_
     left, directions = HijackMonitor.task_fit(grad, active, 1)
     assert left < 1e-9 and directions is not None and np.isfinite(directions).all()
     assert HijackMonitor.task_fit(grad, torch.zeros(32, 8), 1) == (0.0, None)  # nothing reaches: nothing to judge
+
+
+def test_projecting_applies_only_the_task_part_of_what_reaches_the_weights() -> None:
+    """With ``project`` the partner applies the rank test's fit: a task's gradient arrives whole, and what a bank
+    hides off the task's direction (under the limits or not) never reaches the weights."""
+    generator = torch.Generator().manual_seed(8)
+    active = (torch.rand(64, 16, generator=generator) > 0.4).float()
+    direction = torch.randn(16, generator=generator)
+    task = torch.randn(64, 1, generator=generator) * direction
+    off = 0.3 * torch.randn(64, 16, generator=generator)
+    plain = HijackMonitor(MonitorConfig(watch=True))
+    projecting = HijackMonitor(MonitorConfig(watch=True, project=True))
+    assert plain.observe(0, task + off, active) is not None
+    assert torch.equal(plain.observe(1, task + off, active), task + off)  # the rank test alone changes nothing
+    applied = projecting.observe(0, task + off, active)
+    assert torch.equal(applied * (1 - active), torch.zeros_like(applied))  # nothing where nothing arrives
+    assert share(applied, 1, active) < 1e-12  # one direction over the live entries: a task's gradient
+    assert (applied - task * active).norm() < 0.5 * (off * active).norm()  # most of what was hidden is gone
+    exact = projecting.observe(1, task * active, active)
+    assert torch.allclose(exact, task * active, atol=1e-6)  # a task's own gradient arrives as it was sent
+    assert projecting.shares[0] == plain.shares[0]  # and it judges what arrived, not what it applies
+
+
+def test_projecting_is_refused_without_the_rank_test_naming_the_flags(tmp_path: Path) -> None:
+    from parties.errors import ConfigError
+    from parties.settings import PartnerSettings, load_settings
+
+    with pytest.raises(ConfigError, match="--hijack-monitor"):
+        load_settings(PartnerSettings, name="p", data=tmp_path / "x.csv", insecure=True, monitor={"project": True})
+
+
+def test_a_partner_that_projects_keeps_training_after_a_warned_alarm_on_the_task_part_only() -> None:
+    x = _features()
+    gen = torch.Generator().manual_seed(9)
+    trainer = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=3, on_alarm="warn",
+                                                                          project=True))
+    rows = torch.arange(32)
+    trainer.step(0, None, rows)
+    for step in range(1, 8):  # gradients in every direction: a hijack, caught at the third
+        trainer.step(step, torch.randn(32, 8, generator=gen), rows)
+    monitor = trainer.monitor
+    assert monitor is not None and monitor.alarm_step == 3
+    applied = monitor.observe(8, torch.randn(32, 8, generator=gen), torch.ones(32, 8))
+    assert share(applied, 1) < 1e-12  # after the alarm still only one direction reaches the weights
+
+
+def test_a_probe_step_sent_again_is_answered_from_the_stored_response() -> None:
+    """A retried step repeats the gradient the bank sent, not the one the probes cleaned."""
+    x = _features()
+    gen = torch.Generator().manual_seed(10)
+    trainer = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(probe_every=1, pairs=2))
+    rows = torch.arange(32)
+    trainer.step(0, None, rows)
+    grad = torch.randn(32, 8, generator=gen)
+    first = trainer.step(1, grad, rows)
+    again = trainer.step(1, grad, rows)
+    assert first is not None and again is not None and torch.equal(first, again)
+
+
+def test_the_hijack_study_command_can_make_the_partners_project(tmp_path: Path) -> None:
+    from bank.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["hijack-study", "--out", str(tmp_path), "--project"]).project is True
+    assert parser.parse_args(["hijack-study", "--out", str(tmp_path)]).project is False

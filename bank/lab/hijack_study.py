@@ -48,6 +48,8 @@ def default_attackers() -> list[Attacker]:
         *(Attacker(f"FSHA mixed with {b:.0%} honest gradient", "mix", b) for b in (0.5, 0.8, 0.95)),
         Attacker("FSHA cut to one direction per step", "one-direction"),
         Attacker("rank-aware: shaped under the rank test's limits", "rank-aware"),
+        Attacker("rank-aware, wandering to 0.95 of the limit", "rank-aware", 0.95),
+        Attacker("rank-aware, copies answered honestly", "rank-and-probe-aware"),
         *(Attacker(f"ballast ×{r:g}: a gradient on output units that are off", "ballast", r) for r in (1.0, 20.0)),
         Attacker("probe-aware: copies answered honestly", "probe-aware", answer="honest"),
         Attacker("probe-aware: copies answered with noise ×0.5", "probe-aware", 0.5, answer="noise"),
@@ -102,12 +104,13 @@ def _run(fed: Federation, aux: pd.DataFrame, attacker: Attacker, seed: int, conf
         return width
 
     coordinator.parties[1].start_training = start  # type: ignore[method-assign]
-    coordinator.run()
+    outcome = coordinator.run()
     steps_per_epoch = math.ceil(len(coordinator.split.train) / config.batch)
     rank = monitor["rank"]
     return {"bank": attacker.name, "seed": seed, "steps": len(bank.sent),
             "rank_alarm": rank.alarm is not None, "rank_alarm_step": rank.alarm_step,
-            "reconstruction_error": bank.reconstruction_error(steps_per_epoch)}
+            "reconstruction_error": bank.reconstruction_error(steps_per_epoch),
+            "test_roc_auc": outcome.test_metrics["roc_auc"]}
 
 
 def _probe_run(fed: Federation, aux: pd.DataFrame, attacker: Attacker, seed: int, config: StudyConfig) -> bool:
@@ -163,7 +166,8 @@ def summarise(table: pd.DataFrame) -> pd.DataFrame:
         n = len(runs_of)
         row = {"bank": name, "runs": n, "seeds": f"{runs_of.seed.min()}–{runs_of.seed.max()}",
                "reconstruction_error": runs_of.reconstruction_error.mean(),
-               "reconstruction_error_sd": runs_of.reconstruction_error.std(ddof=1) if n > 1 else 0.0}
+               "reconstruction_error_sd": runs_of.reconstruction_error.std(ddof=1) if n > 1 else 0.0,
+               "test_roc_auc": runs_of.test_roc_auc.mean() if "test_roc_auc" in runs_of else math.nan}
         for test in ("rank", "probe"):
             hits = int(runs_of[f"{test}_alarm"].sum())
             low, high = wilson(hits, n)
@@ -190,6 +194,7 @@ def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
         "copy probes alarm [95% CI]": [rate(r, "probe") for _, r in study.iterrows()],
         "reconstruction error (mean ± sd)": [f"{r.reconstruction_error:.3f} ± {r.reconstruction_error_sd:.3f}"
                                              for _, r in study.iterrows()],
+        "test ROC-AUC": study.test_roc_auc.map(lambda v: f"{v:.4f}"),
         "attack succeeds": study.attack_succeeds.map(lambda v: "–" if v is None or pd.isna(v) else
                                                      ("yes" if v else "no")),
     })
@@ -200,7 +205,8 @@ def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
             f"unattacked baseline is the honest bank's or the mean's (1.0), whichever is lower: "
             f"{study.attrs.get('baseline', float('nan')):.3f}. "
             + ("Plain FSHA does no better than that here, so no attack succeeds." if halfway is None else
-               f"An attack succeeds at or under {halfway:.3f}, halfway from there to plain FSHA's."))
+               f"An attack succeeds at or under {halfway:.3f}, halfway from there to plain FSHA's.")
+            + ("\nThe partners apply only each gradient's task part (project)." if config.monitor.project else ""))
     return head + "\n\n" + shown.to_string(index=False)
 
 

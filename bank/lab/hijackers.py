@@ -20,12 +20,14 @@ The adaptive banks know the partner's monitor and try to hide from it:
   of the honest task gradient.
 - ``one-direction``: FSHA's gradient cut to its top singular direction at each step, as a binary task's
   gradient is (against the rank test's energy share).
-- ``rank-aware`` (found by an independent adversarial review): shapes FSHA to pass the rank test's defaults.
-  It reads from the embedding which output units are on (only those entries reach the weights, and only
-  those the test judges), and each step sends FSHA's gradient there along one direction that follows FSHA's
-  own top direction but turns at most half the ``drift_limit`` per step, plus the rest of FSHA's gradient scaled
-  (by bisection on the monitor's own arithmetic) to an off-task share of 0.95 × ``limit``, and on 9 of every
-  20 steps (under half a window, so the median never sees them) to a share of 0.9.
+- ``rank-aware`` (found by an independent adversarial review): shapes FSHA to pass the rank test's defaults,
+  computing each statistic with the monitor's own arithmetic. It reads from the embedding which output units
+  are on (only those entries reach the weights, and only those the test judges), and each step sends FSHA's
+  gradient there along one direction: FSHA's own top direction, pulled towards where the last drift window's
+  directions stayed just enough to keep their wander at ``strength`` (default half) of the ``drift_limit``; plus the rest of FSHA's
+  gradient scaled (by bisection) to the off-task share the window's mean still allows (0.95 × ``limit``
+  over the window, spent as soon as it is there, at most 0.9 in a step).
+- ``rank-and-probe-aware``: the rank-aware bank that also answers copy probes as the probe-aware one does.
 - ``ballast``: FSHA plus a large, fixed gradient on an output unit where it is off for the row (found by an
   independent adversarial review): it never reaches the weights, but would dominate a test of the raw
   gradient.
@@ -41,7 +43,7 @@ left (1.0: no better than the mean).
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,7 +59,8 @@ from parties.learning.model import BottomConfig, build_bottom
 
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
-Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "ballast"]
+Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "rank-and-probe-aware",
+               "ballast"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -104,8 +107,10 @@ class HijackingBank:
         self.sent: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, embedding) of each training step
         self.answered: list[torch.Tensor] = []  # the gradient returned at each training step
         self._ready = False
-        self.direction: torch.Tensor | None = None  # rank-aware: the direction it sends along
-        self.rank_aware_step = 0
+        # rank-aware: the off-task shares and directions the monitor saw over the last window − 1 steps
+        limits = MonitorConfig()
+        self.rank_aware_shares: deque[float] = deque(maxlen=limits.window - 1)
+        self.rank_aware_directions: deque[np.ndarray] = deque(maxlen=limits.drift_window - 1)
         self.ballast_unit: int | None = None
         coordinator._loss = self.loss  # type: ignore[method-assign]
 
@@ -166,6 +171,8 @@ class HijackingBank:
             return (1 - a.strength) * scaled + a.strength * honest
         if a.kind == "rank-aware":
             return self._rank_aware(fsha, z)
+        if a.kind == "rank-and-probe-aware":
+            return self._answer_copies(z, self._rank_aware(fsha, z), fsha, honest)
         if a.kind == "ballast":
             # A large gradient on one output unit, only on rows where that unit is off (a ReLU output of 0): it
             # never reaches the partner's weights, but a test of the raw gradient would see one direction.
@@ -179,11 +186,16 @@ class HijackingBank:
         if a.kind == "one-direction":
             u, values, vh = torch.linalg.svd(fsha, full_matrices=False)
             return values[0] * torch.outer(u[:, 0], vh[0])
-        # probe-aware: rows whose embedding repeats another's within the batch are probes
+        return self._answer_copies(z, fsha, fsha, honest)  # probe-aware
+
+    def _answer_copies(self, z: torch.Tensor, grad: torch.Tensor, fsha: torch.Tensor,
+                       honest: torch.Tensor) -> torch.Tensor:
+        """``grad``, except at rows whose embedding repeats another's within the batch (copy probes)."""
         _, inverse, counts = torch.unique(z, dim=0, return_inverse=True, return_counts=True)
         probed = counts[inverse] > 1
-        out = fsha.clone()
+        out = grad.clone()
         if probed.any():
+            a = self.attacker
             out[probed] = honest[probed] if a.answer == "honest" else (fsha + self._noise(fsha, a.strength))[probed]
         return out
 
@@ -191,26 +203,21 @@ class HijackingBank:
         limits = MonitorConfig()  # the public defaults
         live = (z > 0).to(fsha.dtype)  # the bank sees the embedding, so it knows what reaches the weights
         fsha = fsha * live
-        top = torch.linalg.svd(fsha, full_matrices=False)[2][0]
-        step, self.rank_aware_step = self.rank_aware_step, self.rank_aware_step + 1
-        if self.direction is None:
-            self.direction = top
-        else:
-            top = top if float(top @ self.direction) >= 0 else -top
-            if 1 - float(top @ self.direction) ** 2 > 0.5 * limits.drift_limit:  # turn no more than this
-                across = _unit(top - (top @ self.direction) * self.direction)
-                angle = math.asin(math.sqrt(0.5 * limits.drift_limit))
-                top = math.cos(angle) * self.direction + math.sin(angle) * across
-            self.direction = _unit(top)
+        top = torch.linalg.svd(fsha, full_matrices=False)[2][0].double().numpy()
+        v = self._within_wander(top, (self.attacker.strength or 0.5) * limits.drift_limit)
+        direction = torch.from_numpy(v).to(fsha.dtype)
         # Each row's best multiple of the direction over its live units: a gradient the test fits exactly.
-        weight = (live * self.direction.square()).sum(dim=1).clamp_min(1e-30)
-        main = torch.outer((fsha @ self.direction) / weight, self.direction) * live
+        weight = (live * direction.square()).sum(dim=1).clamp_min(1e-30)
+        main = torch.outer((fsha @ direction) / weight, direction) * live
         rest = fsha - main
-        share = 0.9 if step % limits.window < limits.window // 2 - 1 else 0.95 * limits.limit
-        v = self.direction.double().numpy()
+        # The off-task budget the window's mean leaves: spent as soon as it is there, up to a share of 0.9.
+        share = min(0.9, max(0.0, 0.95 * limits.limit * limits.window - sum(self.rank_aware_shares)))
 
-        def passes(c: float) -> bool:  # the monitor's own arithmetic
-            left, directions = HijackMonitor.task_fit(main + c * rest, live, 1)
+        def fit(c: float) -> tuple[float, np.ndarray | None]:  # the monitor's own arithmetic
+            return HijackMonitor.task_fit(main + c * rest, live, 1)
+
+        def passes(c: float) -> bool:
+            left, directions = fit(c)
             return left <= share and (directions is None or 1 - float(directions[:, 0] @ v) ** 2 <= 0.01)
 
         low, high = 0.0, 1.0
@@ -219,7 +226,36 @@ class HijackingBank:
         for _ in range(30):
             middle = (low + high) / 2
             low, high = (middle, high) if passes(middle) else (low, middle)
+        left, directions = fit(low)
+        self.rank_aware_shares.append(left)
+        if directions is not None:
+            self.rank_aware_directions.append(directions)
         return main + low * rest
+
+    def _within_wander(self, top: np.ndarray, target: float) -> np.ndarray:
+        """The unit direction nearest FSHA's ``top`` that keeps the window's wander (the monitor's
+        arithmetic, on the directions it fitted over the last ``drift_window − 1`` steps) at most ``target``."""
+        past = list(self.rank_aware_directions)
+        if not past:
+            return top
+        stacked = np.concatenate(past, axis=1)
+        centre = np.linalg.eigh(stacked @ stacked.T)[1][:, -1]
+        top = top if float(top @ centre) >= 0 else -top
+
+        def towards(t: float) -> np.ndarray:
+            u = (1 - t) * centre + t * top
+            return u / np.linalg.norm(u)
+
+        def fits(t: float) -> bool:
+            return HijackMonitor.wander([*past, towards(t)[:, None]]) <= target
+
+        if fits(1.0):
+            return top
+        low, high = 0.0, 1.0
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return towards(low)
 
     def _noise(self, grad: torch.Tensor, size: float) -> torch.Tensor:
         """Noise keyed on (step, position): each row's norm about ``size`` × the batch's mean gradient norm."""

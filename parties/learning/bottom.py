@@ -163,12 +163,15 @@ class BottomTrainer:
             if rows is not None and self.local is not None and rows.numel() > self.local.steps * self.local.batch:
                 raise BadMessage(f"a step holds at most {self.local.steps} batches of {self.local.batch} rows, "
                                  f"got {rows.numel()} rows")
-            if self.monitor is not None:
-                if grad is not None:  # and what of it reaches the weights: nothing on an output unit that is off
-                    self.monitor.observe(step, grad, self._pending_active)
-                if self.monitor.alarm is None and self._probe and grad is not None:
-                    grad = self.monitor.inspect(step, grad, self._probe)
+            received = grad  # what a retry of this step must repeat
+            if self.monitor is not None and grad is not None:
+                # and what of it reaches the weights: nothing on an output unit that is off
+                applied = self.monitor.observe(step, grad, self._pending_active)
+                if self.monitor.alarm is None and self._probe:
+                    applied = self.monitor.inspect(step, grad, self._probe, applied)
                     self._probe = []
+                grad = applied
+            if self.monitor is not None:
                 if self.monitor.alarm is not None and self.monitor.config.on_alarm == "stop":
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:
@@ -209,7 +212,7 @@ class BottomTrainer:
                     if self._probe:
                         out = self.monitor.disguise(out, self._probe)
             self.next_step = step + 1
-            self._last = (step, grad, rows, out)
+            self._last = (step, received, rows, out)
             return out
 
     def _local_updates(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor) -> None:

@@ -68,11 +68,18 @@ class MonitorConfig(BaseModel):
                         "extra byte, training unchanged) and alarm when it moves more directions than a task can")
     task_rank: int = Field(1, ge=1, le=4096, description="the task's output width: 1 for a binary or regression "
                            "task, the number of classes for a multiclass one")
-    window: int = Field(20, ge=1, description="training steps the rank test judges together")
-    limit: float = Field(0.10, gt=0, lt=1, description="alarm when the window's median off-task share of the "
+    window: int = Field(20, ge=1, description="training steps the rank test reads before it judges, and over which "
+                        "it takes the mean off-task share")
+    limit: float = Field(0.10, gt=0, lt=1, description="alarm when the window's mean off-task share of the "
                          "energy of the gradient that reaches the weights exceeds this")
-    drift_limit: float = Field(0.40, gt=0, le=1, description="alarm when the window's median turn of the gradient's "
-                               "task directions from one step to the next (1 − mean squared cosine) exceeds this")
+    drift_window: int = Field(200, ge=1, description="training steps over which the rank test takes the wander "
+                              "of the task directions (all it has read, until there are this many)")
+    drift_limit: float = Field(0.20, gt=0, le=1, description="alarm when the task directions wander more than this "
+                               "over the drift window (1 − the share of their mean projector on its top task_rank "
+                               "directions)")
+    project: bool = Field(False, description="with the rank test, apply only each gradient's task part (its fit); "
+                          "the rest, where a bank that stays under the limits hides its hijack, never reaches "
+                          "the weights. Training then differs slightly from an unmonitored partner's")
     on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")
     probe_every: int = Field(0, ge=0, description="copy probes every N steps (0: off)")
     pairs: int = Field(4, ge=1, description="embeddings copied per probe step")
@@ -84,6 +91,12 @@ class MonitorConfig(BaseModel):
     @property
     def active(self) -> bool:
         return self.watch or self.probe_every > 0
+
+    @model_validator(mode="after")
+    def _project_needs_the_fit(self) -> MonitorConfig:
+        if self.project and not self.watch:
+            raise ValueError("project applies the rank test's fit: it needs the rank test (watch, --hijack-monitor)")
+        return self
 
 
 class LocalSteps(BaseModel):
