@@ -446,3 +446,49 @@ def test_the_hijack_study_command_can_make_the_partners_project(tmp_path: Path) 
     parser = build_parser()
     assert parser.parse_args(["hijack-study", "--out", str(tmp_path), "--project"]).project is True
     assert parser.parse_args(["hijack-study", "--out", str(tmp_path)]).project is False
+
+
+def test_the_rank_test_refuses_local_steps_which_would_apply_gradients_it_did_not_judge() -> None:
+    """Local steps apply a gradient to an embedding recomputed with moved weights, where units that were off
+    (whose entries the test left out) may be on: refused with the rank test, allowed with the probes alone."""
+    from parties.errors import ConfigError
+    from parties.learning.config import LocalSteps
+
+    x = _features()
+    with pytest.raises(ConfigError, match="exact mode"):
+        BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True), local=LocalSteps(steps=2, batch=32))
+    with pytest.raises(ConfigError, match="exact mode"):
+        BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True), local=LocalSteps(steps=2, batch=32, reuse=2))
+    assert BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(probe_every=5),
+                         local=LocalSteps(steps=2, batch=32)).local is not None
+    assert BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True), local=LocalSteps()).local is None
+
+
+def test_projecting_applies_nothing_of_a_gradient_that_reaches_no_weight_and_refuses_an_overflow() -> None:
+    from parties.errors import BadMessage
+
+    projecting = HijackMonitor(MonitorConfig(watch=True, project=True))
+    active = torch.zeros(8, 4)
+    active[:, 0] = 1.0
+    dead_only = torch.zeros(8, 4)
+    dead_only[:, 1:] = 5.0  # only where the units were off
+    applied = projecting.observe(0, dead_only, active)
+    assert torch.equal(applied, torch.zeros(8, 4)) and projecting.observed == 0
+    assert torch.equal(HijackMonitor(MonitorConfig(watch=True)).observe(0, dead_only, active), dead_only)
+    huge = torch.tensor([[3.4e38, 3.4e38], [3.4e38, 0.0]])  # finite, but its fit is not in float32
+    with pytest.raises(BadMessage, match="overflows float32"):
+        projecting.observe(1, huge, torch.ones(2, 2))
+
+
+def test_a_stopped_partner_releases_no_more_embeddings() -> None:
+    x = _features()
+    gen = torch.Generator().manual_seed(11)
+    trainer = BottomTrainer(x, BOTTOMS["partner"], monitor=MonitorConfig(watch=True, window=3))
+    rows = torch.arange(32)
+    trainer.step(0, None, rows)
+    assert trainer.embed(rows).shape == (32, 8)
+    with pytest.raises(HijackSuspected):
+        for step in range(1, 10):
+            trainer.step(step, torch.randn(32, 8, generator=gen), rows)
+    with pytest.raises(HijackSuspected, match="hijack suspected"):
+        trainer.embed(rows)

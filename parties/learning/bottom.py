@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parties.errors import BadMessage, Behind, HijackSuspected, OutOfOrder
+from parties.errors import BadMessage, Behind, ConfigError, HijackSuspected, OutOfOrder
 from parties.learning import fast_path
 from parties.learning.config import LocalSteps
 from parties.learning.embedding_noise import EmbeddingNoise, PrivacyConfig
@@ -110,6 +110,12 @@ class BottomTrainer:
         self._probe: list[tuple[int, int]] = []
         self.local = local if local is not None and not local.exact else None
         self.local_batch = None if self.local is None else self.local.batch  # None: exact mode
+        if self.local is not None and self.monitor is not None and self.monitor.config.watch:
+            # The rank test judges a gradient as the released embedding's weights receive it; local steps apply
+            # it to an embedding recomputed with weights that have moved since, where other units are on.
+            raise ConfigError("this partner's hijack monitor (the rank test) judges each gradient against the "
+                              "embedding it released, and local steps or reused batches apply it to one recomputed "
+                              "since: train in exact mode (local steps 1, no reuse) with this partner")
         # (rows, gradient, embedding answered) of the last two steps' batches: what reuse learns from.
         self._cache: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(
             maxlen=2 * self.local.steps if self.local else 1)
@@ -280,6 +286,8 @@ class BottomTrainer:
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings for evaluation: no graph kept, no state changed."""
         self._check_rows(rows)
+        if self.monitor is not None and self.monitor.alarm is not None and self.monitor.config.on_alarm == "stop":
+            raise HijackSuspected(self.monitor.alarm)  # nothing more leaves a session the monitor stopped
         with self._lock, torch.no_grad():
             self.model.eval()
             z = self.model(self.x.index_select(0, rows))

@@ -54,6 +54,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from parties.errors import BadMessage
 from parties.learning.config import MonitorConfig
 from parties.learning.secret import Secret
 
@@ -143,9 +144,11 @@ class HijackMonitor:
             return grad
         rank = self.config.task_rank
         share, directions, fitted = self._fit(grad, active, rank)
-        if directions is None or fitted is None:  # nothing moved: nothing to judge
-            return grad
+        if directions is None or fitted is None:  # nothing reaches the weights: nothing to judge, or to apply
+            return torch.zeros_like(grad) if self.config.project else grad
         applied = torch.from_numpy(fitted).to(grad.dtype) if self.config.project else grad
+        if not torch.isfinite(applied).all():
+            raise BadMessage("the gradient's task part overflows float32: no task sends gradients this large")
         if self.alarm is not None:  # judged already (on_alarm="warn"): still only the task part reaches the weights
             return applied
         self.shares.append(share)
