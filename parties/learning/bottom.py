@@ -170,14 +170,13 @@ class BottomTrainer:
                 raise BadMessage(f"a step holds at most {self.local.steps} batches of {self.local.batch} rows, "
                                  f"got {rows.numel()} rows")
             received = grad  # what a retry of this step must repeat
-            if self.monitor is not None and grad is not None:
-                # and what of it reaches the weights: nothing on an output unit that is off
-                applied = self.monitor.observe(step, grad, self._pending_active)
-                if self.monitor.alarm is None and self._probe:
-                    applied = self.monitor.inspect(step, grad, self._probe, applied)
-                    self._probe = []
-                grad = applied
             if self.monitor is not None:
+                if grad is not None:  # and what of it reaches the weights: nothing on an output unit that is off
+                    applied = self.monitor.observe(step, grad, self._pending_active)
+                    if self.monitor.alarm is None and self._probe:
+                        applied = self.monitor.inspect(step, grad, self._probe, applied)
+                        self._probe = []
+                    grad = applied
                 if self.monitor.alarm is not None and self.monitor.config.on_alarm == "stop":
                     raise HijackSuspected(self.monitor.alarm)
             if self._pending is not None:

@@ -71,7 +71,7 @@ class HijackMonitor:
         self.differences: list[float] = []  # copy probes: each copied pair's relative difference
         # The rank test: the last window's off-task shares and task directions (each d × task_rank).
         self.shares: deque[float] = deque(maxlen=config.window)
-        self.directions: deque[np.ndarray] = deque(maxlen=max(config.window, config.drift_window))
+        self.directions: deque[np.ndarray] = deque(maxlen=config.drift_window)
         self.observed = 0  # gradients the rank test has read
         self.alarm: str | None = None
         self.alarm_step: int | None = None
@@ -163,10 +163,9 @@ class HijackMonitor:
                 f"gradients that reaches this partner's weights lay outside the {rank} direction(s) a task's "
                 f"gradient can take (limit {self.config.limit:.0%}); an honest task loss cannot do that. "
                 f"{self._consequence}"))
-        elif (spread := self.wander(list(self.directions)[-self.config.drift_window:])) > self.config.drift_limit:
-            seen = min(len(self.directions), self.config.drift_window)
+        elif (spread := self.wander(self.directions)) > self.config.drift_limit:
             self._raise(step, (
-                f"hijack suspected: over the last {seen} steps the direction(s) of the bank's gradients wandered "
+                f"hijack suspected: over the last {len(self.directions)} steps the direction(s) of the bank's gradients wandered "
                 f"{spread:.1%} from where they stayed on average (limit {self.config.drift_limit:.0%}); a task's "
                 f"gradient moves only as fast as the bank's model learns. {self._consequence}"))
         return applied
@@ -196,8 +195,7 @@ class HijackMonitor:
         kept = meta.get("directions") or []
         if kept and not isinstance(kept[0][0], list):  # an older checkpoint kept only the last step's
             kept = [kept]
-        self.directions = deque((np.array(d, dtype=np.float64) for d in kept),
-                                maxlen=max(self.config.window, self.config.drift_window))
+        self.directions = deque((np.array(d, dtype=np.float64) for d in kept), maxlen=self.config.drift_window)
         self.observed = meta.get("observed", 0)
         self.alarm, self.alarm_step = meta.get("alarm"), meta.get("alarm_step")
 
