@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     hs.add_argument("--epochs", type=int, default=17, help="epochs per run (default %(default)s)")
     hs.add_argument("--project", action="store_true",
                     help="the partners apply only each gradient's task part (--hijack-project)")
+    hs.add_argument("--secret-init", action="store_true",
+                    help="the partners draw their initial weights from their secret, as a partner with the monitor "
+                         "on does by default (without it: from a seed the bank knows, the bank's best case)")
+    hs.add_argument("--banks", default=None,
+                    help="only the banks whose name holds one of these comma-separated words (the honest bank and "
+                         "plain FSHA always run: they set the line an attack must cross), e.g. 'freeze'")
     hs.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     _add_log_level(hs)
 

@@ -90,11 +90,19 @@ def hijack_study(args: argparse.Namespace) -> int:
     from parties.learning.config import MonitorConfig
 
     _at_least_one(("--runs", args.runs), ("--rows", args.rows), ("--epochs", args.epochs))
-    config = StudyConfig(rows=args.rows, epochs=args.epochs,
+    config = StudyConfig(rows=args.rows, epochs=args.epochs, secret_init=args.secret_init,
                          monitor=MonitorConfig(watch=True, on_alarm="warn", project=args.project))
-    banks = len(default_attackers()) + 1
+    attackers = default_attackers()
+    if args.banks is not None:
+        words = [w.strip() for w in args.banks.split(",") if w.strip()]
+        # Plain FSHA stays: with the honest bank it sets the line an attack must cross to succeed.
+        attackers = [a for a in attackers if a.kind == "fsha" or any(w in a.name for w in words)]
+        if len(attackers) == 1 and not any(w in attackers[0].name for w in words):
+            raise ConfigError(f"--banks {args.banks!r} names none of the study's banks: "
+                              + "; ".join(a.name for a in default_attackers()))
+    banks = len(attackers) + 1
     counter = iter(range(1, banks + 1))
-    result = run_hijack_study(args.out, runs=args.runs, config=config, cache=args.cache_dir,
+    result = run_hijack_study(args.out, runs=args.runs, attackers=attackers, config=config, cache=args.cache_dir,
                               progress=lambda name: print(f"... {next(counter)}/{banks} {name}: {args.runs} runs",
                                                           file=sys.stderr))
     cost = monitor_cost()

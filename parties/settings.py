@@ -178,6 +178,14 @@ class PartnerSettings(ServiceSettings):
                                   description="per bank: what its PSI sessions may cost, checked before any blinding")
 
     @model_validator(mode="after")
+    def _secret_initial_weights(self) -> PartnerSettings:
+        # A partner that watches for hijacking must not start from weights the bank can rebuild: a bank that
+        # keeps them there (gradients too small to act on) passes every test and inverts every embedding.
+        if self.monitor.active and "seed" not in self.bottom.model_fields_set:
+            object.__setattr__(self, "bottom", self.bottom.model_copy(update={"seed": None}))  # frozen: set once
+        return self
+
+    @model_validator(mode="after")
     def _rank_test_can_see(self) -> PartnerSettings:
         if self.monitor.watch and self.monitor.task_rank >= self.bottom.cut_width:
             raise ValueError(f"--hijack-task-rank {self.monitor.task_rank} leaves the rank test nothing to see: "

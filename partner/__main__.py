@@ -24,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"learning rate (default {default_of(BottomConfig, 'learning_rate')})")
     b.add_argument("--optimizer", choices=["adam", "sgd"], default=None,
                    help=f"optimizer of the bottom model (default {default_of(BottomConfig, 'optimizer')})")
-    b.add_argument("--seed", type=int, default=None,
-                   help=f"initialisation seed (default {default_of(BottomConfig, 'seed')})")
+    b.add_argument("--seed", type=_seed, default=None,
+                   help=f"the initial weights' seed, or 'secret' to draw them from this partner's secret (default "
+                        f"{default_of(BottomConfig, 'seed')}; secret with the hijack monitor on, so a bank cannot "
+                        "rebuild them)")
     d = s.add_argument_group("embedding noise (off unless --dp-clip is given): obfuscation against inversion, "
                              "not differential privacy, and no ε is claimed (README: privacy)")
     d.add_argument("--dp-clip", type=float, default=None, help="L2 bound on each released embedding row")
@@ -64,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_arguments(b)
     _add_layer_limits(b)
     return parser
+
+
+def _seed(text: str) -> int | str:
+    if text == "secret":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'secret', got {text!r}") from None
 
 
 def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +118,8 @@ def serve(args: argparse.Namespace) -> int:
         "cut_width": args.cut_width, "learning_rate": args.lr, "optimizer": args.optimizer, "seed": args.seed,
     }
     bottom = {k: v for k, v in bottom.items() if v is not None}
+    if bottom.get("seed") == "secret":
+        bottom["seed"] = None  # said, not left out: None draws the initial weights from this partner's secret
     privacy = {"clip": args.dp_clip, "noise": args.dp_noise,
                "nopeek": args.nopeek}
     privacy = {k: v for k, v in privacy.items() if v is not None}

@@ -108,9 +108,11 @@ def small(tmp_path_factory: pytest.TempPathFactory, bank_full: Path):
     return (*_slice(tmp_path_factory.mktemp("hijack"), config, bank_full.parent, False), config)
 
 
-def _train(small, attacker: Attacker, monitor: MonitorConfig, seed: int = 0, steps: int = 40) -> HijackingBank:
+def _train(small, attacker: Attacker, monitor: MonitorConfig, seed: int = 0, steps: int = 40,
+           partner_bottom: BottomConfig = PARTNER_BOTTOM) -> HijackingBank:
     fed, aux, config = small
-    coordinator = fed.coordinator(config.training(seed, max_steps=steps), monitor=monitor)
+    coordinator = fed.coordinator(config.training(seed, max_steps=steps), monitor=monitor,
+                                  partner_bottom=partner_bottom)
     bank = HijackingBank(coordinator, attacker, aux, PARTNER_BOTTOM, seed)
     coordinator.run()
     return bank
@@ -157,6 +159,45 @@ def test_fsha_reconstructs_the_partners_features(small) -> None:
     honest = _train(small, HONEST, MonitorConfig(watch=True, on_alarm="warn"), steps=300)
     fsha = _train(small, Attacker("FSHA", "fsha"), MonitorConfig(watch=True, on_alarm="warn"), steps=300)
     assert fsha.reconstruction_error(20) < 0.8 < honest.reconstruction_error(20)
+
+
+def test_a_bank_that_freezes_the_partner_inverts_weights_it_can_rebuild_and_not_secret_ones(small) -> None:
+    """The freeze: honest gradients ×1e-12 pass the rank test (they are a task's) and keep the partner at its
+    initial weights; from a seed the bank knows, its decoder inverts the embeddings; from the partner's secret
+    it decodes a function the partner never had."""
+    freeze, warn = Attacker("freeze", "freeze"), MonitorConfig(watch=True, on_alarm="warn")
+    known = _train(small, freeze, warn, steps=150)
+    secret = _train(small, freeze, warn, steps=150, partner_bottom=PARTNER_BOTTOM.model_copy(update={"seed": None}))
+    assert known.reconstruction_error(20) < 0.5 < 0.9 < secret.reconstruction_error(20)
+
+
+def test_a_partner_with_the_monitor_on_starts_from_weights_only_its_secret_gives(tmp_path: Path) -> None:
+    from parties.learning.model import build_bottom
+    from parties.settings import PartnerSettings, load_settings
+    from partner.__main__ import build_parser
+
+    def settings(**values) -> PartnerSettings:
+        return load_settings(PartnerSettings, name="p", data=tmp_path / "x.csv", insecure=True, **values)
+
+    watching = settings(monitor={"watch": True})
+    assert watching.bottom.seed is None and settings(monitor={"probe_every": 5}).bottom.seed is None
+    assert settings().bottom.seed == 0  # no monitor: the public default, reproducible
+    assert settings(monitor={"watch": True}, bottom={"seed": 7}).bottom.seed == 7  # chosen: kept, and public
+    x = np.random.default_rng(0).normal(size=(64, 5))
+    rebuilt = build_bottom(5, BottomConfig())  # what a bank that reads the code can build
+    first, second = (BottomTrainer(x, watching.bottom, monitor=watching.monitor) for _ in range(2))
+    for trainer in (first, second):
+        assert not torch.equal(trainer.model[0].weight, rebuilt[0].weight)
+    assert not torch.equal(first.model[0].weight, second.model[0].weight)
+    pinned = MonitorConfig(watch=True, seed=3)  # a study's pin repeats them
+    assert torch.equal(BottomTrainer(x, watching.bottom, monitor=pinned).model[0].weight,
+                       BottomTrainer(x, watching.bottom, monitor=pinned).model[0].weight)
+    parse = lambda *flags: build_parser().parse_args(["serve", "--name", "p", "--data", "x.csv", *flags])  # noqa: E731
+    assert parse("--seed", "secret").seed == "secret" and parse("--seed", "4").seed == 4
+    with pytest.raises(SystemExit):
+        parse("--seed", "four")
+    with pytest.raises(ValueError, match="secret"):
+        build_bottom(5, watching.bottom)  # never silently the default seed
 
 
 def _noisy_hijack(seed: int):

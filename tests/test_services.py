@@ -83,6 +83,52 @@ def test_the_handshake_refuses_strangers(pki, rogue_pki, partition, start_partne
         assert client.get(f"{partner.url}/health").status_code == 200
 
 
+def _certificate(pki: Path, out: Path, subject: list[tuple[str, str]]) -> TLSFiles:
+    """A certificate from the partnership's own CA with the subject given (``[("CN", "bank"), ("OU", ...)]``)."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    oids = {"CN": NameOID.COMMON_NAME, "OU": NameOID.ORGANIZATIONAL_UNIT_NAME}
+    ca = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(oids[k], v) for k, v in subject]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    return TLSFiles(ca=pki / "ca.pem", cert=out / "cert.pem", key=out / "key.pem")
+
+
+@pytest.mark.parametrize("subject", [
+    [("CN", "bank"), ("OU", "partner"), ("OU", "bank")],  # the attack: the last OU used to win
+    [("CN", "bank"), ("OU", "bank"), ("OU", "partner")],
+    [("CN", "bank"), ("CN", "bank2"), ("OU", "bank")],
+    [("CN", "bank")],
+    [("CN", "bank"), ("OU", "auditor")],
+], ids=["OU-partner-then-bank", "OU-bank-then-partner", "two-CNs", "no-OU", "unknown-OU"])
+def test_a_certificate_must_name_exactly_one_party_and_one_known_role(
+        pki, partition, start_partner, tmp_path, caplog, subject) -> None:
+    """From the partnership's own CA, yet ambiguous or unknown: refused at the connection, before any request."""
+    partner = start_partner(partition["partner1"])
+    files = _certificate(pki, tmp_path / "odd", subject)
+    with caplog.at_level("WARNING"), _client(files, pki / "ca.pem") as client, pytest.raises(httpx.TransportError):
+        client.post(f"{partner.url}/psi/sessions", json={})
+    assert "refused: its certificate must name exactly one Cutlayer party (CN) and one role" in caplog.text
+    good = _certificate(pki, tmp_path / "good", [("OU", "bank"), ("CN", "bank")])
+    with _client(good, pki / "ca.pem") as client:  # the same CA, one CN and one OU: in
+        assert client.get(f"{partner.url}/health").status_code == 200
+
+
 def test_the_client_refuses_a_server_from_another_ca(pki, rogue_pki, partition, start_partner) -> None:
     partner = start_partner(partition["partner1"])
     with _client(TLSFiles.from_dir(pki, "bank"), rogue_pki / "ca.pem") as client, pytest.raises(httpx.ConnectError):

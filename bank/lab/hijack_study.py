@@ -51,6 +51,7 @@ def default_attackers() -> list[Attacker]:
         Attacker("rank-aware, wandering to 0.95 of the limit", "rank-aware", 0.95),
         Attacker("rank-aware, copies answered honestly", "rank-and-probe-aware"),
         *(Attacker(f"ballast ×{r:g}: a gradient on output units that are off", "ballast", r) for r in (1.0, 20.0)),
+        Attacker("freeze: the honest gradient ×1e-12, the partner kept at its initial weights", "freeze"),
         Attacker("probe-aware: copies answered honestly", "probe-aware", answer="honest"),
         Attacker("probe-aware: copies answered with noise ×0.5", "probe-aware", 0.5, answer="noise"),
     ]
@@ -63,8 +64,12 @@ class StudyConfig:
     """The slice, the training and the monitors of every run (defaults: the README's figures)."""
 
     def __init__(self, rows: int = 5000, epochs: int = 17, batch: int = 64, aux_rows: int = 5000,
-                 monitor: MonitorConfig | None = None, probe_every: int = 5, probe_steps: int = 40) -> None:
+                 monitor: MonitorConfig | None = None, probe_every: int = 5, probe_steps: int = 40,
+                 secret_init: bool = False) -> None:
+        """``secret_init``: the partner draws its initial weights from its secret (what a deployed partner
+        with the monitor on does); default: from a seed the bank knows, the bank's best case."""
         self.rows, self.epochs, self.batch, self.aux_rows = rows, epochs, batch, aux_rows
+        self.partner_bottom = PARTNER_BOTTOM.model_copy(update={"seed": None}) if secret_init else PARTNER_BOTTOM
         self.monitor = monitor or MonitorConfig(watch=True, on_alarm="warn")
         self.probe_every, self.probe_steps = probe_every, probe_steps
 
@@ -93,8 +98,8 @@ def _slice(out: Path, config: StudyConfig, cache: Path | None, download: bool) -
 
 
 def _run(fed: Federation, aux: pd.DataFrame, attacker: Attacker, seed: int, config: StudyConfig) -> dict:
-    coordinator = fed.coordinator(config.training(seed), monitor=config.monitor)
-    bank = HijackingBank(coordinator, attacker, aux, PARTNER_BOTTOM, seed)
+    coordinator = fed.coordinator(config.training(seed), monitor=config.monitor, partner_bottom=config.partner_bottom)
+    bank = HijackingBank(coordinator, attacker, aux, PARTNER_BOTTOM, seed)  # its guess of the initial weights
     monitor: dict[str, HijackMonitor] = {}
     original = coordinator.parties[1].start_training
 
@@ -116,7 +121,8 @@ def _run(fed: Federation, aux: pd.DataFrame, attacker: Attacker, seed: int, conf
 def _probe_run(fed: Federation, aux: pd.DataFrame, attacker: Attacker, seed: int, config: StudyConfig) -> bool:
     """Whether the copy probes alarm within ``probe_steps`` steps."""
     probes = MonitorConfig(probe_every=config.probe_every, seed=seed)
-    coordinator = fed.coordinator(config.training(seed, max_steps=config.probe_steps), monitor=probes)
+    coordinator = fed.coordinator(config.training(seed, max_steps=config.probe_steps), monitor=probes,
+                                  partner_bottom=config.partner_bottom)
     HijackingBank(coordinator, attacker, aux, PARTNER_BOTTOM, seed)
     try:
         coordinator.run()
@@ -206,7 +212,9 @@ def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
             f"{study.attrs.get('baseline', float('nan')):.3f}. "
             + ("Plain FSHA does no better than that here, so no attack succeeds." if halfway is None else
                f"An attack succeeds at or under {halfway:.3f}, halfway from there to plain FSHA's.")
-            + ("\nThe partners apply only each gradient's task part (project)." if config.monitor.project else ""))
+            + ("\nThe partners apply only each gradient's task part (project)." if config.monitor.project else "")
+            + ("\nThe partners' initial weights come from their secret." if config.partner_bottom.seed is None else
+               "\nThe bank knows the partners' initial weights (their seed)."))
     return head + "\n\n" + shown.to_string(index=False)
 
 

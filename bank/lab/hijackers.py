@@ -6,9 +6,10 @@ partner, instead of the task's gradient, the gradient of a loss that pulls the p
 pilot's feature space. Once they are there, the decoder turns every embedding the partner sends back into
 its features. Two choices make it work on these tabular columns, where the published recipe did not:
 
-- **The pilot starts from the partner's own initial weights.** Cutlayer's seeds are deterministic and a
-  partner that keeps the default gives its starting weights away; a pilot started elsewhere is matched in
-  distribution but not row by row (measured: reconstruction error 1.27 against 0.21, 2,000 steps).
+- **The pilot starts from the partner's own initial weights** (the bank's best case: a partner with a seed
+  the bank knows; with the monitor on a partner draws them from its secret unless given ``--seed``, and the
+  study's ``secret_init`` plays that). A pilot started elsewhere is matched in distribution but not row by
+  row (measured: reconstruction error 1.27 against 0.21, 2,000 steps).
 - **An MMD critic** (Gaussian kernels at five widths) in place of a learned discriminator: a GAN critic
   against a partner's Adam at lr 5e-3 oscillated and never brought the error under 1.
 
@@ -31,6 +32,12 @@ The adaptive banks know the partner's monitor and try to hide from it:
 - ``ballast``: FSHA plus a large, fixed gradient on an output unit where it is off for the row (found by an
   independent adversarial review): it never reaches the weights, but would dominate a test of the raw
   gradient.
+- ``freeze`` (found by an independent adversarial review): no hijack at all, only the honest gradient times
+  ``strength`` (default 1e-12), far under what Adam's ε lets move a weight. The partner's bottom stays at its
+  initial weights, every test passes (a scaled task gradient is still a task gradient), and a bank that can
+  rebuild those weights (a known seed) inverts every embedding with a decoder trained on them alone. A
+  partner whose initial weights come from its secret (the default with the monitor on) leaves it a decoder
+  for the wrong function.
 - ``probe-aware``: FSHA, except rows whose embedding is an exact duplicate of another row's in the batch
   (a copy probe) are answered with the honest gradient (``answer="honest"``) or with FSHA's plus noise of
   ``strength`` (``answer="noise"``).
@@ -60,7 +67,7 @@ from parties.learning.model import BottomConfig, build_bottom
 __all__ = ["Attacker", "HijackingBank", "mmd"]
 
 Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction", "rank-aware", "rank-and-probe-aware",
-               "ballast"]
+               "ballast", "freeze"]
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
@@ -124,7 +131,9 @@ class HijackingBank:
         cut = self.partner_bottom.cut_width
         torch.manual_seed(10_000 + self.seed)
         self.decoder = nn.Sequential(nn.Linear(cut, 64), nn.ReLU(), nn.Linear(64, width))
-        params = [*self.pilot.parameters(), *self.decoder.parameters()]
+        # Freezing keeps the partner at its initial weights: the pilot is them, and only the decoder learns.
+        frozen = self.attacker.kind == "freeze"
+        params = [*([] if frozen else self.pilot.parameters()), *self.decoder.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=1e-3)
         for _ in range(PRETRAIN_STEPS):  # before the session: the bank has the auxiliary rows already
             self._pilot_step(256)
@@ -164,6 +173,8 @@ class HijackingBank:
         fsha = torch.autograd.grad(mmd(held, pilot), held)[0]
         if a.kind == "fsha":
             return fsha
+        if a.kind == "freeze":
+            return honest * (a.strength or 1e-12)
         if a.kind == "noise":
             return fsha + self._noise(fsha, a.strength)
         if a.kind == "mix":

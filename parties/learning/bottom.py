@@ -86,7 +86,10 @@ class BottomTrainer:
         pins = [c.seed for c in (privacy, monitor) if c is not None and c.seed is not None]
         self.secret = secret or Secret.of(pins[0] if pins else None)
         self.config = config
-        self.model = build_bottom(self.x.shape[1], config)
+        # Initial weights a counterparty can rebuild let a bank that keeps them from moving (gradients too
+        # small for the optimizer to act on) invert every embedding: a seed of None draws them from the secret.
+        init = int(self.secret.numpy("initial weights").integers(1 << 62)) if config.seed is None else None
+        self.model = build_bottom(self.x.shape[1], config, seed=init)
         self._params = list(self.model.parameters())
         self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0

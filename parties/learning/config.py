@@ -29,7 +29,8 @@ class BottomConfig(OptimizerConfig):
 
     hidden: tuple[int, ...] = (64,)
     cut_width: int = Field(16, ge=1, le=4096)
-    seed: int = 0
+    seed: int | None = Field(0, description="the initial weights' seed; None: drawn from the party's secret, so a "
+                             "counterparty cannot rebuild them (a partner with the hijack monitor on defaults to it)")
 
 
 class PrivacyConfig(BaseModel):

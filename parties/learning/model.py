@@ -40,9 +40,13 @@ def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bo
     return model
 
 
-def build_bottom(in_dim: int, config: BottomConfig) -> nn.Sequential:
-    """The bottom MLP; the same (in_dim, config) always gives the same initial weights."""
-    return mlp(in_dim, config.hidden, config.cut_width, activate_output=True, seed=config.seed)
+def build_bottom(in_dim: int, config: BottomConfig, seed: int | None = None) -> nn.Sequential:
+    """The bottom MLP; the same (in_dim, config) always gives the same initial weights. ``seed`` overrides
+    the config's: a config whose seed is None (the party's secret) needs it."""
+    seed = config.seed if seed is None else seed
+    if seed is None:
+        raise ValueError("this bottom's initial weights come from its party's secret: its trainer builds it")
+    return mlp(in_dim, config.hidden, config.cut_width, activate_output=True, seed=seed)
 
 
 def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:

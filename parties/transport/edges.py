@@ -23,7 +23,7 @@ from typing import Any
 
 from parties.errors import ConfigError
 from parties.transport import sockets
-from parties.transport.tls import peer_identity
+from parties.transport.tls import ROLES, peer_identity
 
 __all__ = [
     "TLSHandshake", "Timeouts", "bind_socket", "connection_tls", "handshake_refusal", "no_delay", "peer_address",
@@ -54,9 +54,11 @@ def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
     ssl_object = transport.get_extra_info("ssl_object")
     peercert = ssl_object.getpeercert() if ssl_object is not None else None
     tls = {"peercert": peercert, "identity": peer_identity(peercert)}
-    if peercert and tls["identity"] is None:  # from our CA, yet no party: every request will be refused
-        logger.warning("TLS connection from %s: its certificate names no Cutlayer party and role (%s)",
-                       peer_address(transport), peercert.get("subject"))
+    if peercert and tls["identity"] is None:  # from our CA, yet not exactly one party (CN) and one role (OU)
+        logger.warning("TLS connection from %s refused: its certificate must name exactly one Cutlayer party (CN) "
+                       "and one role (OU: %s), it names %s", peer_address(transport), ", ".join(sorted(ROLES)),
+                       peercert.get("subject"))
+        transport.close()  # nothing it sends is read
     return tls
 
 

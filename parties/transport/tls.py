@@ -217,11 +217,18 @@ def peer_identity(peercert: Mapping[str, Any] | None) -> PeerIdentity | None:
     """Name and role from a verified peer certificate, as ``ssl.SSLSocket.getpeercert()`` returns it."""
     if not peercert:
         return None
-    fields = {k: v for rdn in peercert.get("subject", ()) for k, v in rdn}
-    name, role = fields.get("commonName"), fields.get("organizationalUnitName")
-    if not name or role not in ROLES:
+    names, roles = [], []
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                names.append(value)
+            elif key == "organizationalUnitName":
+                roles.append(value)
+    # Exactly one of each: with two OUs (partner and bank) or two CNs, which one is meant is the issuer's
+    # mistake or a trick, and reading the first or the last would let the certificate choose.
+    if len(names) != 1 or len(roles) != 1 or not names[0] or roles[0] not in ROLES:
         return None
-    return PeerIdentity(name=name, role=role)
+    return PeerIdentity(name=names[0], role=roles[0])
 
 
 def handshake_failure(exc: BaseException) -> str | None:
