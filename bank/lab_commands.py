@@ -95,11 +95,11 @@ def hijack_study(args: argparse.Namespace) -> int:
     attackers = default_attackers()
     if args.banks is not None:
         words = [w.strip() for w in args.banks.split(",") if w.strip()]
+        if not any(w in a.name for a in attackers for w in words):
+            raise ConfigError(f"--banks {args.banks!r} names none of the study's banks: "
+                              + "; ".join(a.name for a in attackers))
         # Plain FSHA stays: with the honest bank it sets the line an attack must cross to succeed.
         attackers = [a for a in attackers if a.kind == "fsha" or any(w in a.name for w in words)]
-        if len(attackers) == 1 and not any(w in attackers[0].name for w in words):
-            raise ConfigError(f"--banks {args.banks!r} names none of the study's banks: "
-                              + "; ".join(a.name for a in default_attackers()))
     banks = len(attackers) + 1
     counter = iter(range(1, banks + 1))
     result = run_hijack_study(args.out, runs=args.runs, attackers=attackers, config=config, cache=args.cache_dir,
