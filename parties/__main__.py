@@ -1,33 +1,48 @@
 """python -m parties: what every party shares on the command line (certs: a development CA and one
-certificate per party)."""
+certificate per party; verify-log: check a session log's hash chain and sum it up)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError
+from parties.storage.session_log import verify_log
 from parties.transport.tls import DEFAULT_HOSTS, write_dev_pki
+
+#: The integer fields a summary line adds up: what a PSI session's peer declared, sent, and what came of it.
+SUMMED = ("declared", "received", "result")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parties", description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
-    certs = command(sub, "certs", "create a development CA and party certificates")
+    certs = command(sub, "certs", "create a development CA and party certificates", handler=_certs_command)
     certs.add_argument("--out", type=Path, required=True, help="folder for ca.pem and NAME.pem/NAME.key")
     certs.add_argument("--party", action="append", default=[], metavar="NAME=ROLE",
                        help="a party and its role (bank, partner or compute); repeat per party")
     certs.add_argument("--host", action="append", default=None,
                        help=f"a host name or IP the services answer on (default: {', '.join(DEFAULT_HOSTS)})")
     certs.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default %(default)s)")
+
+    verify = command(sub, "verify-log", "check a session log's hash chain and count its sessions per peer and event",
+                     handler=_verify_log_command)
+    verify.add_argument("path", type=Path, metavar="PATH", help="the session log (JSON lines)")
+    verify.add_argument("--json", action="store_true", help="print the records as a JSON list instead of the summary")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("WARNING")
+    return int(args.handler(args))
+
+
+def _certs_command(args: argparse.Namespace) -> int:
     parties = {}
     for item in args.party:
         name, sep, role = item.partition("=")
@@ -41,6 +56,40 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in files.items():
         print(f"{name} ({parties[name]}): {f.cert}, {f.key}")
     return 0
+
+
+def _verify_log_command(args: argparse.Namespace) -> int:
+    records = verify_log(args.path)  # a damaged log raises LogTampered: run_cli prints it and exits 2
+    if args.json:
+        print(json.dumps(list(records), ensure_ascii=False, indent=2))
+        return 0
+    for line in _summary_lines(records):
+        print(line)
+    tail = f"; the torn line {len(records) + 1} (a write cut short by a crash) was left out" if records.torn else ""
+    print(f"{_records(len(records))}, chain intact{tail}")
+    return 0
+
+
+def _summary_lines(records: list[dict[str, object]]) -> list[str]:
+    """One line per (peer, event): how many records, and the sums of the integer fields in ``SUMMED``."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    sums: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+    for record in records:
+        key = (str(record.get("peer", "-")), str(record["event"]))
+        counts[key] += 1
+        for field in SUMMED:
+            value = record.get(field)
+            if isinstance(value, int) and not isinstance(value, bool):
+                sums[key][field] = sums[key].get(field, 0) + value
+    return [
+        f"peer {peer}, event {event}: {_records(counts[peer, event])}"
+        + "".join(f", {field} {sums[peer, event][field]}" for field in SUMMED if field in sums[peer, event])
+        for peer, event in sorted(counts)
+    ]
+
+
+def _records(n: int) -> str:
+    return f"{n} record" if n == 1 else f"{n} records"
 
 
 if __name__ == "__main__":

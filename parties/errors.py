@@ -5,8 +5,10 @@ The tree::
     CutlayerError
     ├── ConfigError                 a flag, setting or certificate is wrong
     ├── DataError                   a party's own data file is unusable
-    │   └── DatasetUnavailable      the public dataset is neither cached nor downloadable
+    │   ├── DatasetUnavailable      the public dataset is neither cached nor downloadable
+    │   └── LogTampered             a session log's hash chain is broken: a line edited, deleted or moved
     ├── StorageError                a party could not write its state (disk full, ...) -> 507
+    │   └── QuotaExceeded           a bank would pass its disk quota at this party
     ├── ProtocolError               a peer sent something we refuse (HTTP 4xx)
     │   ├── BadMessage              malformed, wrong size, wrong shape         -> 400
     │   ├── PayloadTooLarge         body over the configured limit             -> 413
@@ -45,6 +47,7 @@ __all__ = [
     "HijackSuspected",
     "IdTypeMismatch",
     "IntersectionTooSmall",
+    "LogTampered",
     "NotAligned",
     "NotReady",
     "OutOfOrder",
@@ -55,6 +58,7 @@ __all__ = [
     "PeerUnavailable",
     "PeerUntrusted",
     "ProtocolError",
+    "QuotaExceeded",
     "UnknownSession",
 ]
 
@@ -77,10 +81,18 @@ class DatasetUnavailable(DataError):
     pass
 
 
+class LogTampered(DataError):
+    """A session log no longer verifies: the partnership's record of PSI sessions cannot be trusted."""
+
+
 class StorageError(CutlayerError):
     """Training state could not be written: training stops at once, the last whole checkpoints stay."""
 
     status_code = 507
+
+
+class QuotaExceeded(StorageError):
+    """Writing would pass a bank's disk quota: refused before a byte is written, like a full disk."""
 
 
 class ProtocolError(CutlayerError):
