@@ -145,6 +145,10 @@ class ChunkedReceiver:
     def complete(self) -> bool:
         return self._received == self.count
 
+    @property
+    def received(self) -> int:
+        return self._received
+
     def expected_chunks(self) -> int:
         return n_chunks(self.count, self.chunk_items)
 
@@ -241,6 +245,11 @@ class PsiResponder:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    @property
+    def received(self) -> int:
+        """How many of the peer's blinded IDs have arrived so far (for the session log)."""
+        return self._peer_blinded.received
+
     def close(self) -> None:
         """Stop the session's blinding: slices not yet started never run."""
         self.cancelled.set()
@@ -304,8 +313,12 @@ def run_initiator(
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     id_type: IdType = "text",
+    admit: Callable[[str, int], None] | None = None,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
+
+    ``admit(session_id, peer_count)``: the party's own limits on what the peer announced
+    (``alignment.partnership``), called before anything is blinded; what it raises aborts the session.
 
     ``id_type``: how ``own_points``' IDs were canonicalised; a peer whose IDs are of another type is
     refused (``IdTypeMismatch``): matched, the two would silently share fewer customers than they do.
@@ -323,6 +336,8 @@ def run_initiator(
             raise PeerError(f"the peer answered chunks of {info.chunk_items} IDs; {chunk_items} were asked")
         if not 0 <= info.peer_count <= max_peer_count:
             raise PeerError(f"the peer announced {info.peer_count} IDs; at most {max_peer_count} are accepted")
+        if admit is not None:
+            admit(info.session_id, info.peer_count)
         say("blinding own IDs")
         shuffled = _permuted(own_points, order)
         own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False)  # our own hashes: nothing to check

@@ -12,7 +12,15 @@ from typing import get_args
 from bank import commands, lab_commands
 from bank.config import GradientDefenseName, TopConfig, TrainingConfig
 from bank.configuration_commands import add_configuration_commands
-from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
+from parties.cli import (
+    add_psi_limit_arguments,
+    add_service_arguments,
+    command,
+    configure_logging,
+    default_of,
+    description,
+    run_cli,
+)
 from parties.learning.config import BottomConfig
 from parties.settings import BankSettings
 
@@ -145,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer-retry-deadline", type=float, default=None,
                    help=f"seconds a silent partner is retried (it may be restarting) before training stops "
                         f"(default {default_of(BankSettings, 'peer_retry_deadline')})")
+    s.add_argument("--max-overlap", type=_share, default=None, metavar="SHARE",
+                   help="refuse, before anything is committed, a partner matching more than this share of the bank's "
+                        "customers (a partner that claims IDs it does not hold learns them at the commit; default "
+                        f"{default_of(BankSettings, 'max_overlap')}); align and score may ask for their own")
+    add_psi_limit_arguments(s, "partner")
 
     a = command(sub, "align", "align customers with every partner, through the running bank service",
                 handler=commands.align)
@@ -155,7 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--expect-overlap", type=_share, default=None, metavar="SHARE",
                    help="the share (0 to 1) of the bank's customers you expect each partner to hold: a partner "
                         "matching under three quarters of it is warned about (IDs written differently, the wrong "
-                        "file); default: no expectation")
+                        "file), one matching over it + 0.05 refused (a partner claiming IDs it does not hold); "
+                        "default: no expectation")
+    a.add_argument("--max-overlap", type=_share, default=None, metavar="SHARE",
+                   help="refuse, before anything is committed, a partner matching more than this share of the bank's "
+                        "customers: a partner that claims IDs it does not hold learns which are the bank's at the "
+                        "commit (default: --expect-overlap + 0.05 if given, else the service's --max-overlap, 0.95)")
     a.add_argument("--sequential", action="store_true",
                    help="align with one partner after another (default: with every partner at once; same result)")
     _add_log_level(a)
@@ -211,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--accept-drift", action="store_true",
                     help="score even when a column's population stability index against the training rows is above "
                          "0.25 (default: refuse, naming the columns; above 0.1 is a warning)")
+    sc.add_argument("--max-overlap", type=_share, default=None, metavar="SHARE",
+                    help="leave out, before anything is committed, a partner matching more than this share of the "
+                         "customers to score (default: what the last alignment accepted of that partner, else "
+                         "the service's --max-overlap)")
     sc.add_argument("--allow-missing", action="store_true",
                     help="score customers some partners lack with the model of the parties that hold them "
                          "(trained with the joint model; e.g. the bank-only model); default: report them unscorable")

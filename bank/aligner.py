@@ -36,8 +36,10 @@ import numpy as np
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
+from alignment.partnership import Partnership, check_overlap
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
 from parties.errors import ConfigError, CutlayerError
+from parties.settings import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import AlignedRows, PartyTable
 from parties.transport.jobs import Progress
 
@@ -121,20 +123,28 @@ def align_with_partners(
     progress: Progress | None = None,
     bank_name: str = "bank",
     mode: AlignmentMode = "concurrent",
+    partnership: Partnership | None = None,
+    max_overlap: float = DEFAULT_MAX_OVERLAP,
 ) -> tuple[AlignedRows, dict[str, int]]:
     """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows.
 
+    ``partnership``: the bank's limits on what each partner may bring, and its session log (default: the
+    default limits, kept in memory). A partner matching more than ``max_overlap`` of the bank's customers is
+    refused before anything is committed (``alignment.partnership.check_overlap``).
     A partner's failure stops the others' sessions (each is aborted at its partner) and is raised
     with the partner's name in its message.
     """
     say = progress or (lambda _msg: None)
     if not partners:
         raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
+    book = partnership or Partnership(PsiLimits(), len(table))
     board = _Board(list(partners), say)
     cancel = threading.Event()
     opened: dict[str, tuple[str, PsiResult]] = {}  # sessions to abort if anything fails before their commit
     failures: list[BaseException] = []  # in the order they happened; another partner's cancel is none
     lock = threading.Lock()
+
+    logged = {name: book.initiated(name, "training") for name in partners}
 
     def pairwise(name: str) -> tuple[str, PsiResult]:
         report = board.reporter(name)
@@ -143,14 +153,16 @@ def align_with_partners(
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
-                                               id_type=table.id_type)
+                                               id_type=table.id_type, admit=logged[name].admit)
             with lock:
                 opened[name] = (session_id, result)
             report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
+            check_overlap(name, len(result), len(table), max_overlap)
             return session_id, result
         except BaseException as exc:
             cancel.set()
+            logged[name].failed(exc)
             named = _named(exc, name)
             if not isinstance(exc, CancelledError):
                 report(f"failed: {exc}")
@@ -177,12 +189,14 @@ def align_with_partners(
         for name, (session_id, result) in results.items():
             partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)))
             del opened[name]
-    except BaseException:
+            logged[name].ended("committed", matched=len(result), result=len(rows), alignment=alignment.alignment_id)
+    except BaseException as exc:
         for name, (session_id, _) in opened.items():
             try:
                 partners[name].abort(session_id)
             except Exception:
                 logger.warning("could not abort the PSI session with %s", name)
+            logged[name].failed(exc)
         raise
     return alignment, counts
 

@@ -33,13 +33,13 @@ __all__ = [
 def serve(args: argparse.Namespace) -> int:
     from alignment.parallel import start_fork_server
     from bank.service import create_app
-    from parties.cli import apply_process_settings, service_values
+    from parties.cli import apply_process_settings, psi_limit_values, service_values
     from parties.settings import BankSettings, load_settings
     from parties.transport.server import serve as serve_app
 
     settings = load_settings(
         BankSettings, **service_values(args), label=args.label, task=args.task, partners=_partners(args.partner),
-        peer_retry_deadline=args.peer_retry_deadline,
+        peer_retry_deadline=args.peer_retry_deadline, max_overlap=args.max_overlap, psi_limits=psi_limit_values(args),
     )
     assert isinstance(settings, BankSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)
@@ -72,6 +72,7 @@ def align(args: argparse.Namespace) -> int:
     request = AlignmentRequest(
         partners=args.partners.split(",") if args.partners else None, min_intersection=args.min_intersection,
         mode="sequential" if args.sequential else "concurrent", expect_overlap=args.expect_overlap,
+        max_overlap=args.max_overlap,
     )
     with BankOperator(args.url, tls, args.name) as operator:
         result = operator.wait(operator.start_alignment(request), on_progress=lambda j: print(f"... {j.progress}", file=sys.stderr))
@@ -150,7 +151,7 @@ def score(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"{args.data}: cannot read ({exc.strerror})") from exc
     with BankOperator(args.url, tls, args.name) as operator:
-        job = operator.start_scoring(args.model, csv, args.allow_missing, args.accept_drift)
+        job = operator.start_scoring(args.model, csv, args.allow_missing, args.accept_drift, args.max_overlap)
         result = _follow(operator, job, "scoring")
         args.out.write_bytes(operator.scores(job.job_id))
     print_scoring(result, args.out)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from alignment.parallel import WorkerPool
+from alignment.partnership import Partnership
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
 from bank.http_partner import HttpPartner
@@ -70,6 +71,19 @@ def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome:
 
 #: A partner matching less than this share of the overlap the operator expects is warned about.
 FAR_BELOW = 0.75
+#: A partner matching more than the share the operator expects plus this is refused (before any commit).
+ABOVE_EXPECTED = 0.05
+CEILINGS = "overlap-ceilings.json"  # per partner, the largest share the operator accepted at the last alignment
+
+
+def overlap_ceiling(max_overlap: float | None, expected: float | None, default: float) -> float:
+    """The largest share of the bank's customers a partner may match: as asked, else what the operator expects
+    plus ``ABOVE_EXPECTED``, else the bank's setting."""
+    if max_overlap is not None:
+        return max_overlap
+    if expected is not None:
+        return min(1.0, expected + ABOVE_EXPECTED)
+    return default
 
 
 def overlap_warnings(shares: dict[str, float], customers: int, expected: float | None, id_type: str) -> list[str]:
@@ -89,6 +103,9 @@ class BankCore:
         self.pool = WorkerPool(settings.workers)
         self.jobs = JobRunner()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
+        self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))
+        ceilings = settings.state_path / CEILINGS
+        self.ceilings: dict[str, float] = json.loads(ceilings.read_text()) if ceilings.exists() else {}
         self.pairwise: dict[str, int] = {}
         self._running: set[str] = set()  # training sessions this process is running
         self._lock = threading.Lock()
@@ -104,6 +121,7 @@ class BankCore:
     def align(self, request: AlignmentRequest, progress: Progress) -> AlignmentInfo:
         urls = self.partners(request.partners)
         minimum = request.min_intersection or self.settings.min_intersection
+        ceiling = overlap_ceiling(request.max_overlap, request.expect_overlap, self.settings.max_overlap)
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             peers = {name: HttpPartner(name, url, client) for name, url in urls.items()}
             alignment, pairwise = align_with_partners(
@@ -116,9 +134,14 @@ class BankCore:
                 progress=progress,
                 bank_name=self.settings.name,
                 mode=request.mode,
+                partnership=self.partnership,
+                max_overlap=ceiling,
             )
         self.alignment, self.pairwise = alignment, pairwise
         save_alignment(self.settings.state_path, self.table, alignment)
+        # What the operator accepted of each partner holds for scoring with it too.
+        self.ceilings = {**self.ceilings, **dict.fromkeys(pairwise, ceiling)}
+        atomic_write_text(self.settings.state_path / CEILINGS, json.dumps(self.ceilings, indent=2))
         customers = len(self.table)
         shares = {name: count / customers for name, count in pairwise.items()}
         warnings = overlap_warnings(shares, customers, request.expect_overlap, self.table.id_type)
@@ -308,13 +331,16 @@ class BankCore:
         return folder
 
     def score(self, model_id: str, upload: Path, table: PartyTable, allow_missing: bool,
-              progress: Progress, accept_drift: bool = False) -> dict[str, Any]:
+              progress: Progress, accept_drift: bool = False, max_overlap: float | None = None) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
             partners = {n: proxies.enter_context(p) for n, p in self._proxies(client, names).items()}
             result = score_customers(table, model_dir, self.settings.name, partners, self.pool,
-                                     allow_missing=allow_missing, accept_drift=accept_drift, progress=progress)
+                                     allow_missing=allow_missing, accept_drift=accept_drift, progress=progress,
+                                     partnership=self.partnership, aligned_ids=self._aligned_ids(),
+                                     max_overlap={n: max_overlap or self.ceilings.get(n, self.settings.max_overlap)
+                                                  for n in names})
         scores = result.table
         out = upload.with_name("scores.csv")
         atomic_write_text(out, scores.to_csv(index=False))  # 0600, like every file of the bank's
@@ -324,7 +350,15 @@ class BankCore:
                 "models": result.models, "refused": result.refused, "fallbacks": result.fallbacks,
                 "drift": result.drift, "drift_warnings": result.drift_warnings}
 
-    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool, accept_drift: bool = False) -> Job:
+    def _aligned_ids(self) -> frozenset[bytes]:
+        """The customers every partner was committed for training (a scoring PSI tells it nothing new of them)."""
+        if self.alignment is None:
+            return frozenset()
+        ids = self.table.normalized_ids
+        return frozenset(ids[r] for r in self.alignment.rows)
+
+    def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool, accept_drift: bool = False,
+                      max_overlap: float | None = None) -> Job:
         """Check the customers file now (a bad file, or one whose bank columns drift past the refusal threshold,
         is refused with the reason, HTTP 422), score it in a job."""
         model_dir = self.model_dir(model_id)
@@ -340,7 +374,7 @@ class BankCore:
             shutil.rmtree(upload.parent, ignore_errors=True)
             raise DataError(str(exc).replace(str(upload), "the customers file")) from exc
         return self.jobs.submit("scoring", lambda progress: self.score(model_id, upload, table, allow_missing, progress,
-                                                                       accept_drift))
+                                                                       accept_drift, max_overlap))
 
     def start_training(self, config: TrainingConfig) -> Job:
         if self.alignment is None:
@@ -350,3 +384,4 @@ class BankCore:
 
     def close(self) -> None:
         self.pool.close()
+        self.partnership.close()

@@ -38,6 +38,7 @@ from parties.errors import (
     PeerError,
     PeerUnavailable,
     PeerUntrusted,
+    QuotaExceeded,
     StorageError,
     UnknownSession,
 )
@@ -77,7 +78,7 @@ def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None]
 
 
 _PASSED_ON = {"IntersectionTooSmall": IntersectionTooSmall, "AlignmentMismatch": AlignmentMismatch, "OverBudget": OverBudget,
-              "UnknownSession": UnknownSession, "StorageError": StorageError}
+              "UnknownSession": UnknownSession, "StorageError": StorageError, "QuotaExceeded": QuotaExceeded}
 
 
 #: The most a refusal's body may hold: the error and its reason.

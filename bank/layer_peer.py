@@ -23,7 +23,16 @@ import httpx
 import torch
 
 from bank.http_partner import ERROR_BODY_LIMIT, retry_policy
-from parties.errors import BadMessage, OutOfOrder, PeerError, PeerUnavailable, PeerUntrusted, UnknownSession
+from parties.errors import (
+    BadMessage,
+    OutOfOrder,
+    PeerError,
+    PeerUnavailable,
+    PeerUntrusted,
+    QuotaExceeded,
+    StorageError,
+    UnknownSession,
+)
 from parties.learning.layer_host import count_parameters
 from parties.protocol import layers
 from parties.protocol.common import fill
@@ -111,7 +120,8 @@ class LayerPeer:
             kind, detail = str(body.get("error")), str(body.get("detail"))[:2000]
         except (ValueError, AttributeError):
             kind, detail = "", content[:200].decode(errors="replace")
-        error = {"UnknownSession": UnknownSession, "OutOfOrder": OutOfOrder}.get(kind, PeerError)
+        error = {"UnknownSession": UnknownSession, "OutOfOrder": OutOfOrder, "StorageError": StorageError,
+                 "QuotaExceeded": QuotaExceeded}.get(kind, PeerError)
         raise error(f"{self.role} {self.name!r} refused {what} (HTTP {status}): {detail}")
 
     def _call(self, method: str, path: str, what: str, **kwargs: object) -> bytes:

@@ -67,10 +67,13 @@ class BankOperator:
         self._request("DELETE", fill(control.TRAINING, session_id=session_id))
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool = False,
-                      accept_drift: bool = False) -> JobStatus:
+                      accept_drift: bool = False, max_overlap: float | None = None) -> JobStatus:
+        params = {"model": model_id, "allow_missing": str(allow_missing).lower(),
+                  "accept_drift": str(accept_drift).lower()}
+        if max_overlap is not None:
+            params["max_overlap"] = str(max_overlap)
         response = self._request("POST", control.SCORINGS, content=csv, headers={"content-type": "text/csv"},
-                                 params={"model": model_id, "allow_missing": str(allow_missing).lower(),
-                                         "accept_drift": str(accept_drift).lower()})
+                                 params=params)
         return JobStatus.model_validate(response.json())
 
     def wait_job_id(self, job: JobStatus) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
+from alignment.partnership import OverlapTooHigh, Partnership, check_overlap
 from alignment.psi import partnership_dst, run_initiator
 from bank.aggregation import Aggregation, get_aggregation
 from bank.bank_only import BankOnlyModel
@@ -38,6 +39,7 @@ from parties.errors import CutlayerError, DataError, IntersectionTooSmall
 from parties.learning.trained_bottom import ScoringBottom, verify_files
 from parties.tables.drift import Drift, judge_drift
 from parties.tables.encoding import Fallbacks, merge_fallbacks
+from parties.settings import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import PartyTable
 from parties.transport.jobs import Progress
 
@@ -57,7 +59,7 @@ class Scores:
     fallbacks: dict[str, Fallbacks]
     scored_without: dict[str, int]  # per partner, the customers scored without it (by a partial subset's model)
     models: dict[str, int] = field(default_factory=dict)  # customers scored by each model
-    refused: dict[str, str] = field(default_factory=dict)  # partners that refused the alignment, and why
+    refused: dict[str, str] = field(default_factory=dict)  # partners left out of the alignment (either side's policy), and why
     drift: dict[str, Drift] = field(default_factory=dict)  # per party and column, the population stability index
     drift_warnings: list[str] = field(default_factory=list)
 
@@ -74,22 +76,39 @@ class _Customers:
         self.drift: dict[str, Drift] = {}
 
     def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
-              say: Progress) -> str | None:
-        """PSI with ``partner`` and its embeddings of the customers it holds; its refusal's reason, if it refused."""
+              say: Progress, book: Partnership, max_overlap: float, known: np.ndarray) -> str | None:
+        """PSI with ``partner`` and its embeddings of the customers it holds; why it was left out, if it was
+        (it refused the alignment, or matched more than ``max_overlap`` of the customers it was not already
+        committed for training, ``~known``: those it learns nothing new of)."""
         name = partner.name
         self.embeddings[name] = torch.zeros((self.n, width))
         self.held[name] = np.zeros(self.n, dtype=bool)
         self.why[name] = f"not held by {name}"
         points = hashed_points(self.table.normalized_ids, pool, None, partnership_dst(bank_name, name))
-        session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type)
+        logged = book.initiated(name, "scoring")
+        try:
+            session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type, admit=logged.admit)
+        except BaseException as exc:
+            logged.failed(exc)
+            raise
         scoring_id = uuid.uuid4().hex
         try:
+            fresh = ~known
+            matched_fresh = int(np.count_nonzero(fresh[result.rows]))
+            check_overlap(name, matched_fresh, int(fresh.sum()), max_overlap,
+                          "of the customers to score it was not already aligned with for training:")
             partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring")
-        except IntersectionTooSmall as exc:  # the partner's policy: none of them is scored with it
-            self.why[name] = f"{name} refused the alignment"
+        except (IntersectionTooSmall, OverlapTooHigh) as exc:  # a policy of either side: none is scored with it
+            self.why[name] = (f"{name} refused the alignment" if isinstance(exc, IntersectionTooSmall) else
+                              f"{name} matched more of these customers than --max-overlap allows")
             with contextlib.suppress(CutlayerError):
                 partner.abort(session_id)
+            logged.failed(exc, matched=len(result))
             return str(exc)
+        except BaseException as exc:
+            logged.failed(exc, matched=len(result))
+            raise
+        logged.ended("committed", matched=len(result), result=len(result), alignment=scoring_id)
         self.fallbacks[name] = {}
         for start in range(0, len(result), BATCH):
             positions = torch.arange(start, min(start + BATCH, len(result)))
@@ -115,6 +134,9 @@ def score_customers(
     allow_missing: bool = False,
     accept_drift: bool = False,
     progress: Progress | None = None,
+    partnership: Partnership | None = None,
+    max_overlap: Mapping[str, float] | None = None,
+    aligned_ids: frozenset[bytes] = frozenset(),
 ) -> Scores:
     """Scores for ``table``'s customers: one row each, with ``score``, ``status``, ``parties`` and ``model``.
 
@@ -134,6 +156,8 @@ def score_customers(
     widths = {p.name: p.embedding_width for p in manifest.parties}
     top = head_from_blob((model_dir / "top.safetensors").read_bytes(), aggregation.width(list(widths.values())), task)
 
+    book = partnership or Partnership(PsiLimits(), len(table))
+    known = np.fromiter((i in aligned_ids for i in table.normalized_ids), dtype=bool, count=len(table))
     customers = _Customers(table, names)
     customers.drift[bank_name] = own.encoder.drift(table.features)
     judge_drift({bank_name: customers.drift[bank_name]}, accept_drift, {bank_name: len(table)})  # before any PSI
@@ -145,10 +169,11 @@ def score_customers(
         say(f"{name}: loading its part of the model", k / (len(names) + 1))
         partner.load_model(manifest.model_id, entry.files, entry.embedding_width)
         say(f"{name}: aligning the customers (PSI)", k / (len(names) + 1))
-        reason = customers.align(partner, entry.embedding_width, manifest, bank_name, pool, say)
+        ceiling = (max_overlap or {}).get(name, DEFAULT_MAX_OVERLAP)
+        reason = customers.align(partner, entry.embedding_width, manifest, bank_name, pool, say, book, ceiling, known)
         if reason is not None:
             refused[name] = reason
-            say(f"{name} refused the alignment: {reason}", None)
+            say(f"{name} left out of the alignment: {reason}", None)
 
     drift_warnings = judge_drift(customers.drift, accept_drift,
                                  {bank_name: len(table), **{p: int(h.sum()) for p, h in customers.held.items()}})

@@ -6,7 +6,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -67,11 +67,11 @@ async def resume_training(session_id: str, c: BankCore = Depends(core)) -> JobSt
 @coordinator.post(control.SCORINGS, status_code=202, response_model=JobStatus)
 async def start_scoring(
     request: Request, model: str, allow_missing: bool = False, accept_drift: bool = False,
-    c: BankCore = Depends(core),
+    max_overlap: float | None = Query(None, gt=0, le=1), c: BankCore = Depends(core),
 ) -> JobStatus:
     """Score the customers in the body (a CSV of IDs and the bank's own columns) with a trained model."""
     csv = await read_body(request, c.settings.max_body_bytes)
-    return c.start_scoring(model, csv, allow_missing, accept_drift).status()
+    return c.start_scoring(model, csv, allow_missing, accept_drift, max_overlap).status()
 
 
 @coordinator.get(control.SCORES)

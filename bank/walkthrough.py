@@ -17,6 +17,7 @@ from bank.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from data.uci import locate_bank_full
 from parties.protocol.control import JobStatus
+from parties.storage.layout import model_folder
 from parties.storage.files import atomic_write_text
 from parties.transport.process import ServiceProcess
 from parties.transport.tls import TLSFiles, write_dev_pki
@@ -49,17 +50,20 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
     if config.workers:
         common += ["--workers", str(config.workers)]
     partners = [n for n in paths if n != "bank"]
+    # The partnership agreement: each side brings at most its own set to a PSI session (README: security model).
+    sizes = {name: _rows(path) for name, path in paths.items()}
     services = []
     for i, name in enumerate(partners):
         # Partner i's bottom model starts from seed i: the first partner's is `partner serve`'s default, so
         # the README's by-hand flow trains the walkthrough's model bit for bit.
         args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i),
-                *config.partner_args]
+                "--peer-max-ids", f"bank={sizes['bank']}", *config.partner_args]
         services.append(ServiceProcess("partner", args + common, out / name / "ready.json", out / "logs" / f"{name}.log"))
     try:
         urls = {name: svc.wait_ready() for name, svc in zip(partners, services)}
         bank_args = ["--name", "bank", "--data", str(paths["bank"]), "--label", "y", "--state-dir", str(out / "bank"),
-                     *[f"--partner={n}={u}" for n, u in urls.items()], *common]
+                     *[f"--partner={n}={u}" for n, u in urls.items()],
+                     *[f"--peer-max-ids={n}={sizes[n]}" for n in partners], *common]
         bank = ServiceProcess("bank", bank_args, out / "bank" / "ready.json", out / "logs" / "bank.log")
         services.append(bank)
         return services, bank.wait_ready()
@@ -67,6 +71,11 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
         for svc in services:
             svc.stop()
         raise
+
+
+def _rows(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for _ in f) - 1  # the header aside
 
 
 def _inside(out: Path, path: Path) -> str:
@@ -121,7 +130,7 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
         if (run_dir / name).exists():  # calibration.csv: binary tasks only
             shutil.copy(run_dir / name, out / name)
     summary = {
-        "rows_per_party": {n: sum(1 for _ in p.open()) - 1 for n, p in paths.items()},
+        "rows_per_party": {n: _rows(p) for n, p in paths.items()},
         "alignment": alignment,
         "test": result["test"],
         **({"test_note": result["test_note"]} if "test_note" in result else {}),
@@ -133,7 +142,7 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
         "bank_run_dir": _inside(out, run_dir),
         "model_files": {
             "bank": _inside(out, run_dir / "model"),
-            **{n: _inside(out, out / n / "models" / result["session"]) for n in paths if n != "bank"},
+            **{n: _inside(out, model_folder(out / n, "bank", result["session"])) for n in paths if n != "bank"},
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
     }

@@ -14,12 +14,16 @@ from pydantic import BaseModel, ValidationError
 from parties.errors import ConfigError, CutlayerError
 
 __all__ = [
+    "add_psi_limit_arguments",
+    "add_quota_arguments",
     "add_service_arguments",
     "command",
     "apply_process_settings",
     "configure_logging",
     "default_of",
     "description",
+    "psi_limit_values",
+    "quota_values",
     "run_cli",
     "service_values",
     "show",
@@ -151,6 +155,85 @@ def _add_transport_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while a training step is due, poll for it this long before sleeping "
                              "(default: 2 with --cpus, else 0)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+
+
+def add_psi_limit_arguments(parser: argparse.ArgumentParser, peers: str) -> None:
+    """What a peer's PSI sessions may cost (``parties.settings.PsiLimits``); ``peers``: "bank" or "partner"."""
+    from parties.settings import PsiLimits as L
+
+    g = parser.add_argument_group(f"what each {peers}'s PSI sessions may bring (README: security model)")
+    g.add_argument("--peer-max-ids", action="append", default=None, metavar=f"[{peers.upper()}=]N",
+                   help=f"the most IDs a {peers} may bring to one PSI session: the set size the partnership agreed; "
+                        f"NAME=N for one {peers}, N for every other; repeat (default: twice this party's own set)")
+    g.add_argument("--peer-ids-per-day", type=int, default=None, metavar="N",
+                   help=f"IDs one {peers} may bring over 24 hours, every session it opened counted, aborted ones too "
+                        "(default: four times this party's own set)")
+    g.add_argument("--psi-sessions-per-hour", type=int, default=None, metavar="N",
+                   help=f"PSI sessions one {peers} may open per hour (default {default_of(L, 'sessions_per_hour')})")
+
+
+def psi_limit_values(args: argparse.Namespace) -> dict[str, object] | None:
+    """The ``psi_limits`` setting from the flags of ``add_psi_limit_arguments`` (``None``: none given)."""
+    values: dict[str, object] = {}
+    if args.peer_max_ids:
+        agreed: dict[str, int] = {}
+        for item in args.peer_max_ids:
+            name, sep, count = item.rpartition("=")
+            try:
+                agreed[name if sep else "*"] = int(count)
+            except ValueError:
+                raise ConfigError(f"--peer-max-ids takes NAME=N or N (a whole number of IDs), not {item!r}") from None
+        values["peer_max_ids"] = agreed
+    if args.peer_ids_per_day is not None:
+        values["peer_ids_per_day"] = args.peer_ids_per_day
+    if args.psi_sessions_per_hour is not None:
+        values["sessions_per_hour"] = args.psi_sessions_per_hour
+    return values or None
+
+
+def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one bank may keep at a party that serves several (``parties.settings.BankQuotas``)."""
+    from parties.settings import BankQuotas as Q
+
+    g = parser.add_argument_group("what each bank may keep here")
+    g.add_argument("--disk-quota-per-bank", type=_size, default=None, metavar="SIZE",
+                   help="disk one bank's checkpoints, models and alignments may take, e.g. 500M or 2G, or none "
+                        f"(default {_show_size(Q.model_fields['disk_per_bank'].default)}); past it, writes are refused "
+                        "with HTTP 507")
+    g.add_argument("--checkpoint-ttl", type=float, default=None, metavar="SECONDS",
+                   help="seconds a session's checkpoints stay after it was last used; then they are removed "
+                        f"(default {default_of(Q, 'checkpoint_ttl')})")
+
+
+_UNSET = object()
+
+
+def quota_values(args: argparse.Namespace) -> dict[str, object] | None:
+    values = {k: v for k, v in (("disk_per_bank", args.disk_quota_per_bank), ("checkpoint_ttl", args.checkpoint_ttl))
+              if v is not None}
+    if values.get("disk_per_bank") is _UNSET:
+        values["disk_per_bank"] = None
+    return values or None
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> object:
+    if text.strip().lower() == "none":
+        return _UNSET  # no quota: told apart from "not given"
+    number, unit = text.strip().upper().rstrip("B").rstrip("I"), ""
+    if number and number[-1] in _UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is bytes, or a number with K, M, G or T (e.g. 500M), or none; "
+                                         f"not {text!r}") from None
+
+
+def _show_size(n: int | None) -> str:
+    return "none" if n is None else f"{n / (1 << 30):g}G" if n % (1 << 30) == 0 else f"{n / (1 << 20):g}M"
 
 
 SERVICE_FIELDS = (

@@ -20,7 +20,10 @@ from parties.transport.tls import Role, TLSFiles, is_loopback
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
     from parties.tables.table import PartyTable
 
-__all__ = ["BankSettings", "BranchSettings", "ComputeSettings", "PartnerSettings", "ServiceSettings", "describe_problems", "load_settings"]
+__all__ = [
+    "DEFAULT_MAX_OVERLAP", "BankQuotas", "BankSettings", "BranchSettings", "ComputeSettings", "PartnerSettings", "PsiLimits", "ServiceSettings",
+    "describe_problems", "load_settings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -141,18 +144,48 @@ class ServiceSettings(BaseSettings):
         return self.state_path / "psi-cache"
 
 
-class PsiBudget(BaseModel):
-    """What one bank's PSI sessions may cost this partner, enforced before any blinding.
+#: The largest share of the bank's customers a partner may match, unless the operator says otherwise.
+DEFAULT_MAX_OVERLAP = 0.95
 
-    A bank learns, from each session, which of the IDs it sent this partner holds: these bound how
-    many it can ask about, and how often, whatever it pads its sets with.
+
+class PsiLimits(BaseModel):
+    """What a peer's PSI sessions may cost this party and reveal to it, checked when a session opens.
+
+    PSI tells a side which of the IDs it brought the other side holds, and nothing in the protocol stops a
+    peer from bringing IDs it guessed. These bound how many a peer may bring, per session and per day
+    (aborted and refused sessions count), whatever it pads its set with (``alignment.partnership``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_ids_per_session: int = Field(1 << 24, ge=1, le=1 << 26, description="IDs one session may bring")
-    sessions_per_hour: int = Field(30, ge=1, description="sessions one bank may open per hour (aborted ones count)")
-    ids_per_day: int = Field(1 << 26, ge=1, description="IDs one bank may bring in 24 hours, over all sessions")
+    peer_max_ids: dict[str, int] = Field(
+        default_factory=dict, description="per peer (its certificate name; '*': every peer not named), the most IDs "
+        "it may bring to one session: the set size the partnership agreed. Default: twice this party's own set")
+    peer_ids_per_day: int | None = Field(
+        None, ge=1, description="IDs one peer may bring over 24 hours, every session it opened counted (aborted "
+        "ones too). Default: four times this party's own set")
+    sessions_per_hour: int = Field(30, ge=1, description="PSI sessions one peer may open per hour (aborted ones count)")
+
+    @field_validator("peer_max_ids")
+    @classmethod
+    def _positive(cls, limits: dict[str, int]) -> dict[str, int]:
+        for peer, n in limits.items():
+            if n < 1:
+                raise ValueError(f"{peer}: the most IDs a peer may bring is at least 1, not {n}")
+        return limits
+
+
+class BankQuotas(BaseModel):
+    """What one bank may keep at a party that serves several: sessions, disk, and how long idle files stay."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    disk_per_bank: int | None = Field(
+        1 << 30, ge=1, description="bytes of checkpoints, models and alignments one bank may keep here "
+        "(None: no limit); past it, what would be written is refused with HTTP 507")
+    checkpoint_ttl: float = Field(
+        7 * 86400.0, gt=0, description="seconds a session's checkpoints stay on disk after it was last used (a "
+        "bank resumes within this); then they are removed")
 
 
 class PartnerSettings(ServiceSettings):
@@ -167,15 +200,16 @@ class PartnerSettings(ServiceSettings):
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig,
                                    description="embedding DP (off without a clip) and NoPeek (off at 0)")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
-    max_training_sessions: int = Field(2, ge=1, description="live training sessions at once")
+    max_training_sessions: int = Field(2, ge=1, description="live training sessions at once, per bank")
     training_session_ttl: float = Field(
         3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"
     )
 
     psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
-    max_psi_sessions: int = Field(4, ge=1)
-    psi_budget: PsiBudget = Field(default_factory=lambda: PsiBudget(),
+    max_psi_sessions: int = Field(4, ge=1, description="open PSI sessions at once, per bank")
+    psi_limits: PsiLimits = Field(default_factory=lambda: PsiLimits(),
                                   description="per bank: what its PSI sessions may cost, checked before any blinding")
+    quotas: BankQuotas = Field(default_factory=lambda: BankQuotas(), description="per bank: disk, and idle files")
 
     @model_validator(mode="after")
     def _secret_initial_weights(self) -> PartnerSettings:
@@ -196,7 +230,7 @@ class PartnerSettings(ServiceSettings):
 class LayerHostSettings(ServiceSettings):
     """A service that runs layers for a bank (``partner/layer_service.py``): a compute party or a branch."""
 
-    max_sessions: int = Field(2, ge=1, description="live layer sessions at once")
+    max_sessions: int = Field(2, ge=1, description="live layer sessions at once, per bank")
     max_batch_rows: int = Field(1 << 16, ge=1, description="rows one forward or backward call may carry")
     max_width: int = Field(4096, ge=1, description="widest layer a bank may ask this service to hold")
     max_parameters: int = Field(1 << 24, ge=1, description="most parameters a bank may ask this service to hold")
@@ -213,10 +247,19 @@ class LayerHostSettings(ServiceSettings):
         "are that row's values)"
     )
     banks: tuple[str, ...] = Field(
-        (), description="the banks (certificate names) this service holds layers for; empty: any bank its CA "
-        "certifies. A branch should name its own bank: whoever starts a bottom sets its weights (relay, SplitFed) "
-        "and asks for predictions, so it can read the branch's rows"
+        (), description="the banks (certificate names) this service holds layers for (required): whoever "
+        "starts a session holds its slots and disk, and on a branch sets a bottom's weights and asks for its "
+        "predictions, so it can read the branch's rows", validate_default=True,
     )
+    quotas: BankQuotas = Field(default_factory=lambda: BankQuotas(), description="per bank: disk, and idle files")
+
+    @field_validator("banks")
+    @classmethod
+    def _banks_named(cls, banks: tuple[str, ...]) -> tuple[str, ...]:
+        if not banks:
+            raise ValueError("name the banks this service holds layers for (--bank NAME, repeat per bank): "
+                             "otherwise any bank the CA certifies could take its sessions and disk")
+        return banks
 
 
 class ComputeSettings(LayerHostSettings):
@@ -249,6 +292,12 @@ class BankSettings(ServiceSettings):
     peer_retry_deadline: float = Field(
         120.0, gt=0, description="seconds a silent partner is retried (it may be restarting) before training stops"
     )
+    psi_limits: PsiLimits = Field(default_factory=lambda: PsiLimits(),
+                                  description="per partner: what its PSI sessions may cost, checked before any blinding")
+    max_overlap: float = Field(
+        DEFAULT_MAX_OVERLAP, gt=0, le=1, description="the largest share of the bank's customers a partner may match before "
+        "anything is committed (a partner that claims IDs it does not hold learns which are the bank's customers "
+        "at the commit); an alignment or scoring may ask for its own")
 
     def load_table(self) -> PartyTable:
         from parties.tables.table import load_party_table
@@ -295,18 +344,21 @@ _FLAGS = {
     "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
     "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
     "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank", "monitor.project": "--hijack-project",
+    "psi_limits.peer_max_ids": "--peer-max-ids", "psi_limits.peer_ids_per_day": "--peer-ids-per-day",
+    "psi_limits.sessions_per_hour": "--psi-sessions-per-hour", "quotas.disk_per_bank": "--disk-quota-per-bank",
+    "quotas.checkpoint_ttl": "--checkpoint-ttl", "banks": "--bank",
 }
 
 
 def _flag(loc: tuple[int | str, ...]) -> str:
     """The command-line flag behind a settings field (the environment variable has the same name)."""
     dotted = ".".join(str(p) for p in loc)
-    if dotted in _FLAGS:
-        return _FLAGS[dotted]
+    for n in range(len(loc), 0, -1):  # the longest named prefix: a dict's key or a tuple's index is the field's
+        prefix = ".".join(str(p) for p in loc[:n])
+        if prefix in _FLAGS:
+            return _FLAGS[prefix]
     if loc[0] in ("bottom",) and len(loc) > 1:
         return "--" + str(loc[1]).replace("_", "-")
-    if str(loc[0]) in _FLAGS:
-        return _FLAGS[str(loc[0])]
     return "--" + dotted.replace("_", "-")
 
 

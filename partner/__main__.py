@@ -6,7 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parties.cli import add_service_arguments, command, configure_logging, default_of, description, run_cli
+from parties.cli import (
+    add_psi_limit_arguments,
+    add_quota_arguments,
+    add_service_arguments,
+    command,
+    configure_logging,
+    default_of,
+    description,
+    run_cli,
+)
 from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
 
 
@@ -55,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hijack-probe-every", type=int, default=None,
                    help=f"watch for a hijacking bank with copy probes every N steps (a bank that knows them evades them) "
                         f"(default {default_of(MonitorConfig, 'probe_every')}: off)")
+    add_psi_limit_arguments(s, "bank")
+    add_quota_arguments(s)
     c = command(sub, "compute", "serve a compute party: a trunk (U-shaped) or the rest of the model and the loss "
                 "(vanilla) for a bank that owns the data; no data of its own (certificate role compute)",
                 handler=serve_layers)
@@ -82,7 +93,7 @@ def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("what a bank may ask this service to hold")
     g.add_argument("--max-sessions", type=int, default=None,
-                   help=f"live sessions at once (default {default_of(L, 'max_sessions')})")
+                   help=f"live sessions at once, per bank (default {default_of(L, 'max_sessions')})")
     g.add_argument("--max-parameters", type=int, default=None,
                    help=f"parameters of one session's layers (default {default_of(L, 'max_parameters')})")
     g.add_argument("--max-width", type=int, default=None,
@@ -94,9 +105,10 @@ def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
                    help=f"branch: the fewest distinct rows column statistics are given on "
                         f"(default {default_of(L, 'min_stats_rows')})")
     g.add_argument("--bank", dest="banks", action="append", default=None, metavar="NAME",
-                   help="the bank this service holds layers for (its certificate name); repeat for several. "
-                        "Default: any bank the CA certifies. A branch should name its own: whoever starts a "
-                        "bottom sets its weights and can read the branch's rows through it")
+                   help="required: the bank this service holds layers for (its certificate name); repeat for "
+                        "several. Each has its own sessions and disk; a branch names its own bank, since whoever "
+                        "starts a bottom sets its weights and can read the branch's rows through it")
+    add_quota_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     # Imported here, not at the top: --help and a mistyped flag need none of torch, pandas or FastAPI.
     from alignment.parallel import start_fork_server
-    from parties.cli import apply_process_settings, service_values
+    from parties.cli import apply_process_settings, psi_limit_values, quota_values, service_values
     from parties.settings import PartnerSettings, load_settings
     from parties.transport.server import serve as serve_app
     from partner.service import create_app
@@ -125,6 +137,7 @@ def serve(args: argparse.Namespace) -> int:
     privacy = {k: v for k, v in privacy.items() if v is not None}
     settings = load_settings(
         PartnerSettings, **service_values(args), bottom=bottom or None, privacy=privacy or None,
+        psi_limits=psi_limit_values(args), quotas=quota_values(args),
         monitor={k: v for k, v in (("watch", args.hijack_monitor), ("task_rank", args.hijack_task_rank),
                                    ("project", args.hijack_project), ("probe_every", args.hijack_probe_every)) if v is not None} or None,
     )
@@ -137,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_layers(args: argparse.Namespace) -> int:
-    from parties.cli import apply_process_settings, service_values
+    from parties.cli import apply_process_settings, quota_values, service_values
     from parties.settings import BranchSettings, ComputeSettings, load_settings
     from parties.transport.server import serve as serve_app
     from partner.layer_service import create_layer_app
@@ -145,7 +158,7 @@ def serve_layers(args: argparse.Namespace) -> int:
     cls = ComputeSettings if args.command == "compute" else BranchSettings
     limits = {"max_sessions": args.max_sessions, "max_parameters": args.max_parameters, "max_width": args.max_width,
               "session_ttl": args.session_ttl, "min_stats_rows": args.min_stats_rows,
-              "banks": tuple(args.banks) if args.banks else None}
+              "banks": tuple(args.banks) if args.banks else None, "quotas": quota_values(args)}
     values = {k: v for k, v in service_values(args).items() if not (cls is ComputeSettings and k == "data")}
     settings = load_settings(cls, **values, **limits)
     assert isinstance(settings, (ComputeSettings, BranchSettings))

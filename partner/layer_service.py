@@ -6,10 +6,12 @@ table with the bank's schema and customers of its own. Both answer the layer exc
 (``parties.protocol.layers``) to callers whose certificate says ``bank``, each bank seeing only its own
 sessions; the routes are thin, the state is ``parties.learning.layer_host.LayerSession``.
 
-A dishonest bank is expected (``tests/test_layer_security.py``). A service may name the banks it serves
-(``banks``): a branch should, since a bank that sets a bottom's weights and asks for predictions reads the
-branch's rows. Sessions are keyed by the calling bank and the session ID, so another bank can neither
-reach nor squat one (nor learn that it exists); every body, JSON ones too, is read within
+A dishonest bank is expected (``tests/test_layer_security.py``). A service names the banks it serves
+(``banks``, required): a bank that sets a bottom's weights and asks for predictions reads a branch's rows,
+and any bank the CA certifies could otherwise take the service's sessions and disk. Sessions are keyed by
+the calling bank and the session ID, so another bank can neither reach nor squat one (nor learn that it
+exists); each bank has its own ``max_sessions`` and disk quota (checkpoints past it are refused with 507,
+and those of sessions unused for ``checkpoint_ttl`` removed); every body, JSON ones too, is read within
 ``max_body_bytes``; what a bank asks to be held is bounded (widths, parameters, activations per call,
 sessions, idle time) before anything is built; and a branch gives column statistics only on at least
 ``min_stats_rows`` distinct rows.
@@ -39,7 +41,9 @@ from parties.protocol import layers
 from parties.protocol.common import SCHEMA_VERSION
 from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
 from parties.settings import LayerHostSettings
+from parties.storage.checkpoint import remove_idle_checkpoints
 from parties.storage.files import private_dir
+from parties.storage.quota import DiskQuota
 from parties.tables.encoding import TabularEncoder, category_text
 from parties.tables.table import FeatureSchema, PartyTable
 from parties.transport.app import create_party_app, read_body, require_role
@@ -111,6 +115,8 @@ class LayerHost:
 
     def __init__(self, settings: LayerHostSettings, table: PartyTable | None) -> None:
         self.settings, self.table = settings, table
+        self.root = settings.state_path / "layers"
+        self.quota = DiskQuota(self.root, settings.quotas.disk_per_bank, party=f"{settings.role} {settings.name!r}")
         self.sessions: dict[tuple[str, str], LayerSession] = {}
         self._lock = threading.Lock()
         self._starting = threading.Lock()  # one start at a time: the count checked is the count inserted into
@@ -143,18 +149,29 @@ class LayerHost:
                     logger.info("session %s of %s idle for %.0fs: dropped (resumable from its checkpoints)",
                                 key[1], key[0], now - session.used)
 
+    def _sweep(self) -> None:
+        """Remove the checkpoints of sessions unused for ``checkpoint_ttl`` (and not live)."""
+        live = {s.folder for s in self.sessions.values()}
+        idle = [f for f in self.root.glob("*/*") if f not in live] if self.root.is_dir() else []
+        for folder in remove_idle_checkpoints(idle, self.settings.quotas.checkpoint_ttl):
+            logger.info("session %s of %s unused for over %.0f s: its checkpoints were removed", folder.name,
+                        folder.parent.name, self.settings.quotas.checkpoint_ttl)
+
     def start(self, start: layers.LayerStart, owner: str) -> layers.LayerInfo:
         key = (owner, start.session)
         with self._starting:
             self._expire()
-            if key not in self.sessions and len(self.sessions) >= self.settings.max_sessions:
-                raise OverBudget(f"this service holds {self.settings.max_sessions} sessions at once; end one first "
+            self._sweep()
+            held = sum(1 for bank, _ in self.sessions if bank == owner)
+            if key not in self.sessions and held >= self.settings.max_sessions:
+                raise OverBudget(f"{owner} holds {held} sessions here, the most one bank may; end one first "
                                  f"(an idle one ends after {self.settings.session_ttl:.0f}s)")
             features = self._features(start) if start.kind == "bottom" else None
             self._check_size(start, int(features.shape[1]) if features is not None else start.in_width)
-            folder = private_dir(self.settings.state_path / "layers" / owner / start.session)
+            folder = private_dir(self.quota.folder(owner) / start.session)
             session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows,
-                                   max_activations=self.settings.max_activations)
+                                   max_activations=self.settings.max_activations,
+                                   quota=lambda nbytes: self.quota.check(owner, nbytes))
             with self._lock:
                 self.sessions[key] = session
         logger.info("%s session %s for %s: %s, %d parameters%s", start.kind, start.session, owner,

@@ -14,7 +14,7 @@ from bank.aligner import align_with_partners
 from bank.http_partner import HttpPartner
 from bank.lab.scale_bench import write_synthetic_parties
 from parties.errors import PeerError
-from parties.settings import PartnerSettings
+from parties.settings import PartnerSettings, PsiLimits
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread
@@ -34,8 +34,10 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
     try:
         for name in PARTNERS:
             files = TLSFiles.from_dir(out / "pki", name)
+            # One bank aligns many times here: a budget of 4 sessions a day would stop it (test_partnership.py).
             settings = PartnerSettings(name=name, data=paths[name], tls_ca=files.ca, tls_cert=files.cert,
-                                       tls_key=files.key, state_dir=out / f"state-{name}", workers=1)
+                                       tls_key=files.key, state_dir=out / f"state-{name}", workers=1,
+                                       psi_limits=PsiLimits(peer_ids_per_day=1 << 20))
             servers[name] = ServerThread(create_partner_app(settings), settings.tls_files()).start()
         yield out / "pki", paths, servers
     finally:
@@ -50,7 +52,7 @@ def _align(federation, mode: str, wrap=lambda name, peer: peer):
             WorkerPool(1) as pool:
         peers = {n: wrap(n, HttpPartner(n, servers[n].url, client, retry_deadline=2)) for n in PARTNERS}
         alignment, pairwise = align_with_partners(table, peers, pool, order_seed=7, mode=mode)
-    partner_rows = {n: servers[n].app.state.core.alignment.rows.copy() for n in PARTNERS}
+    partner_rows = {n: servers[n].app.state.core.alignment_of("bank").rows.copy() for n in PARTNERS}
     return alignment, pairwise, partner_rows
 
 
@@ -102,10 +104,10 @@ class _Dropping:
 @pytest.mark.parametrize("mode", ["concurrent", "sequential"])
 def test_a_partner_failing_mid_alignment_is_named_and_nobody_keeps_a_session(federation, mode) -> None:
     _, _, servers = federation
-    before = {n: servers[n].app.state.core.alignment for n in PARTNERS}
+    before = {n: servers[n].app.state.core.alignment_of("bank") for n in PARTNERS}
     with pytest.raises(PeerError, match=r"partner 'partner2': the connection dropped"):
         _align(federation, mode, lambda n, p: _Dropping(p) if n == "partner2" else p)
     for name in PARTNERS:
         core = servers[name].app.state.core
-        assert core.alignment is before[name]  # nothing was committed anywhere
-        assert not core._sessions  # every PSI session was aborted: the failing one's and the others'
+        assert core.alignment_of("bank") is before[name]  # nothing was committed anywhere
+        assert not core.banks["bank"].psi  # every PSI session was aborted: the failing one's and the others'

@@ -58,6 +58,17 @@ Weights = dict[str, torch.Tensor]
 
 # --- data and services ----------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Every party of these runs computes on one intra-op thread, as a service does by default (--torch-threads 1):
+    a party in this process and the same party in its own process then give the same bits on any CPU (with two
+    threads, one CPU's kernels split a product differently from the service's one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def owner_file(bank_full: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_owner(tmp_path_factory.mktemp("owner"), rows=OWNER_ROWS, cache=bank_full.parent,
@@ -78,7 +89,7 @@ def _tls(pki: Path, name: str) -> dict[str, Path]:
 @contextmanager
 def compute_service(pki: Path, state: Path, name: str = "compute") -> Iterator[ServerThread]:
     """A compute party (``create_layer_app`` with no table) in this process, real uvicorn and mutual TLS."""
-    settings = ComputeSettings(name=name, state_dir=state, **_tls(pki, name))
+    settings = ComputeSettings(name=name, state_dir=state, banks=("bank",), **_tls(pki, name))
     server = ServerThread(create_layer_app(settings), settings.tls_files()).start()
     try:
         yield server
@@ -92,7 +103,8 @@ def branch_services(pki: Path, state: Path, files: dict[str, Path]) -> Iterator[
     with ExitStack() as stack:
         servers = {}
         for name, data in files.items():
-            settings = BranchSettings(name=name, data=data, state_dir=state / name, max_sessions=4, **_tls(pki, name))
+            settings = BranchSettings(name=name, data=data, state_dir=state / name, max_sessions=4, banks=("bank",),
+                                      **_tls(pki, name))
             servers[name] = ServerThread(create_layer_app(settings), settings.tls_files()).start()
             stack.callback(servers[name].stop)
         yield servers
@@ -453,7 +465,8 @@ class ComputeProcess:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"https://127.0.0.1:{self.port}"
-        self.args = ["--name", "compute", "--tls-dir", str(pki), "--state-dir", str(state), "--port", str(self.port)]
+        self.args = ["--name", "compute", "--tls-dir", str(pki), "--state-dir", str(state), "--port", str(self.port),
+                     "--bank", "bank"]
         self.state, self.starts = state, 0
         self.restarter: threading.Thread | None = None
         self.process = self.start()

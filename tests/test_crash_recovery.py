@@ -31,6 +31,7 @@ from parties.transport.process import ServiceProcess
 from parties.transport.server import bind_socket
 from parties.transport.tls import PeerIdentity, TLSFiles
 from tests.training_helpers import saved, state_equal
+from parties.storage.layout import model_folder
 
 BANK_BOTTOM = BottomConfig(cut_width=8, seed=1)
 KILL_AT_STEP = 12  # checkpoints land after steps 4 and 9 (every 5) and at each epoch's flush
@@ -115,7 +116,7 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(
     assert coordinator.rollbacks == 1 and killed.retries >= 1
     assert outcome.steps == clean.steps
     for a, b in ((tmp_path / "bank" / "clean" / "model", tmp_path / "bank" / "killed" / "model"),
-                 (tmp_path / "partner" / "models" / "clean", tmp_path / "partner" / "models" / "killed")):
+                 (model_folder(tmp_path / "partner", "bank", "clean"), model_folder(tmp_path / "partner", "bank", "killed"))):
         assert state_equal(saved(a / "bottom.safetensors"), saved(b / "bottom.safetensors"))
     assert outcome.test_metrics == clean.test_metrics
     assert [h["train_loss"] for h in outcome.history] == [h["train_loss"] for h in clean.history]
@@ -225,7 +226,7 @@ def test_the_bank_killed_mid_training_resumes_to_the_bit_identical_model(
     assert resumed["session"] == session and resumed["steps"] == clean["steps"]
     assert resumed["timings"]["rollbacks"] == 1
     for a, b in ((runs / clean["session"] / "model", runs / session / "model"),
-                 (tmp_path / "partner" / "models" / clean["session"], tmp_path / "partner" / "models" / session)):
+                 (model_folder(tmp_path / "partner", "bank", clean["session"]), model_folder(tmp_path / "partner", "bank", session))):
         for name in ("top.safetensors", "bank/bottom.safetensors") if "runs" in str(a) else ("bottom.safetensors",):
             assert state_equal(saved(a / name), saved(b / name)), name
     assert resumed["test"] == clean["test"]

@@ -19,7 +19,7 @@ from bank.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.errors import OverBudget, PeerError, UnknownSession
 from parties.protocol import psi as psi_routes
-from parties.settings import PsiBudget
+from parties.settings import PsiLimits
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread
@@ -92,7 +92,7 @@ def test_the_partner_learns_only_the_committed_rows(pki: Path, partition, start_
     # 32 bytes per bank ID (its blinded set) and 4 per committed row: no value of the partner's set comes back.
     assert sum(map(len, bodies)) == 32 * len(table) + 4 * len(alignment)
     core = partner.app.state.core
-    assert len(core.alignment.rows) == len(alignment) == pairwise["partner"]
+    assert len(core.alignment_of("bank").rows) == len(alignment) == pairwise["partner"]
 
 
 # --- sizes a partner announces ----------------------------------------------------------------------
@@ -141,11 +141,11 @@ def test_the_bank_reads_no_more_than_was_agreed(pki: Path, count, chunk_items, b
 
 
 def test_budgets_stop_a_probing_bank_before_any_blinding(pki: Path, partition, start_partner) -> None:
-    budget = PsiBudget(max_ids_per_session=100, sessions_per_hour=2)
-    partner = start_partner(partition["partner1"], psi_budget=budget)
+    limits = PsiLimits(peer_max_ids={"*": 100}, sessions_per_hour=2)
+    partner = start_partner(partition["partner1"], psi_limits=limits)
     with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client:
         peer = HttpPartner("partner", partner.url, client)
-        with pytest.raises(OverBudget, match="at most 100 IDs; 101 were announced"):
+        with pytest.raises(OverBudget, match="announced 101 IDs for one PSI session; at most 100 are accepted"):
             peer.open(101, 64)
         first, second = peer.open(2, 64), peer.open(2, 64)
         for info in (first, second):

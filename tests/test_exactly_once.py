@@ -65,7 +65,7 @@ def test_faults_on_the_wire_do_not_change_the_model(pki, bank_full: Path, tmp_pa
 
     assert sorted(channels[0].injected) == sorted(faults.values())
     assert partner.retries == 4  # one per lost answer
-    models = fed.partner_core("partner").settings.state_path / "models"
+    models = fed.partner_core("partner").banks["bank"].folder / "models"
     for folder in (tmp_path / "bank-models", models):
         assert state_equal(saved(folder / clean.session_id / "bottom.safetensors"),
                            saved(folder / noisy.session_id / "bottom.safetensors"))
@@ -86,7 +86,7 @@ def test_both_client_stacks_keep_one_contract(pki, bank_full: Path, tmp_path: Pa
             assert (partner.channel is None) is over_httpx
             counts.append((partner.round_trips, partner.bytes_sent, partner.bytes_received))
             partner.close()
-    models = fed.partner_core("partner").settings.state_path / "models"
+    models = fed.partner_core("partner").banks["bank"].folder / "models"
     a, b = outcomes
     assert state_equal(saved(models / a.session_id / "bottom.safetensors"),
                        saved(models / b.session_id / "bottom.safetensors"))

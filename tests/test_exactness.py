@@ -50,7 +50,7 @@ def test_split_training_equals_the_unsplit_model(
         session = outcome.session_id
         assert state_equal(saved(tmp_path / "bank-models" / session / "bottom.safetensors"), reference.bottoms["bank"].state_dict())
         for name in names:
-            partner_file = fed.partner_core(name).settings.state_path / "models" / session / "bottom.safetensors"
+            partner_file = fed.partner_core(name).banks["bank"].folder / "models" / session / "bottom.safetensors"
             assert state_equal(saved(partner_file), reference.bottoms[name].state_dict()), name
         assert state_equal(coordinator.top.state_dict(), reference.top.state_dict())
         # And training did move the weights: equality is not two untouched initialisations.
@@ -77,7 +77,7 @@ def test_the_partner_receives_exactly_the_unsplit_gradient(pki, bank_full: Path,
         loss = coordinator.task.loss(top(torch.cat(zs, dim=1)), coordinator.targets[rows])
         loss.backward()
         partner.step(1, zs[1].grad, None)
-        split_grads = {k: v.grad for k, v in fed.partner_core("partner").training("s1").trainer.model.named_parameters()}
+        split_grads = {k: v.grad for k, v in fed.partner_core("partner").training("bank", "s1").trainer.model.named_parameters()}
 
         # Unsplit: one graph, one backward.
         reference.task.loss(reference(rows), coordinator.targets[rows]).backward()

@@ -40,6 +40,7 @@ from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles
 from tests.faults import POINTS, BankSpec, Fault, PartnerProcess, run_bank, spec_json
 from tests.training_helpers import saved, state_equal
+from parties.storage.layout import model_folder, training_folder
 
 LONG = os.environ.get("CUTLAYER_LONG_TESTS") == "1"
 PARTNERS = ("partner", "partner2")
@@ -80,7 +81,7 @@ class Federation:
     def models(self, session: str) -> dict[str, Path]:
         bank = self.tmp / "bank" / session
         out = {"top": bank / "top.safetensors", "bank": bank / "model" / "bottom.safetensors"}
-        return out | {n: p.state / "models" / session / "bottom.safetensors" for n, p in self.partners.items()}
+        return out | {n: model_folder(p.state, "bank", session) / "bottom.safetensors" for n, p in self.partners.items()}
 
     def run(self, config: str, session: str, faults: list[Fault]) -> dict[str, Any]:
         """Train ``session`` with ``faults`` (in the order they fire); each bank fault kills the bank's
@@ -207,7 +208,7 @@ def test_a_full_disk_stops_training_at_once_and_a_resume_finishes_the_same_model
         disk = small_disk(fed.tmp / "bank" / session)  # the bank's run folder: its checkpoints and model
         folders = [disk / "coordinator", disk / "own"]
     else:
-        disk = small_disk(fed.partners[party].state / "training" / session)
+        disk = small_disk(training_folder(fed.partners[party].state, "bank", session))
         folders = [disk]
     fed.settle()
     spec = fed.spec(config, session, [Fault(party, "step", at=full_at)])

@@ -17,6 +17,7 @@ from bank.operator import BankOperator, JobFailed
 from bank.task import Task
 from parties.errors import DataError
 from parties.protocol.control import AlignmentRequest
+from parties.settings import PsiLimits
 from parties.tables.ids import canonical_ids, id_formats, infer_id_type
 from parties.tables.table import load_party_table
 from parties.transport.tls import TLSFiles
@@ -98,13 +99,14 @@ def test_ids_of_different_types_are_refused_not_matched(pki, write_csv, start_pa
     with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op, \
             pytest.raises(JobFailed, match="the partner's customer IDs are text and the bank's are integer"):
         op.wait(op.start_alignment())
-    assert partner.app.state.core.alignment is None
+    assert partner.app.state.core.alignment_of("bank") is None
 
 
 def test_align_reports_each_partners_share_and_warns_far_below_what_was_expected(
         pki, write_csv, start_partner, start_bank) -> None:
     ids = [f"C{i}" for i in range(100)]
-    partner = start_partner(write_csv("p.csv", customer_id=ids[:40], x=list(range(40))))
+    partner = start_partner(write_csv("p.csv", customer_id=ids[:40], x=list(range(40))),
+                            psi_limits=PsiLimits(peer_max_ids={"bank": 100}, peer_ids_per_day=1000))  # agreed
     bank = start_bank(write_csv("b.csv", customer_id=ids, z=list(range(100)), y=["no", "yes"] * 50),
                       {"partner": partner.url})
     with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:

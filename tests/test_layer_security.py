@@ -27,13 +27,13 @@ from fastapi.responses import StreamingResponse
 
 from bank import layer_peer
 from bank.layer_peer import LayerPeer
-from parties.errors import OutOfOrder, PeerError, PeerUntrusted, UnknownSession
+from parties.errors import OutOfOrder, PeerError, PeerUntrusted, QuotaExceeded, UnknownSession
 from parties.learning.config import OptimizerConfig
 from parties.protocol import layers
 from parties.protocol.common import fill
 from parties.protocol.layers import LayerStart
 from parties.protocol.wire import SAFETENSORS, encode
-from parties.settings import BranchSettings, ComputeSettings
+from parties.settings import BankQuotas, BranchSettings, ComputeSettings
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
 from parties.transport.client import make_client
@@ -44,7 +44,7 @@ from partner.layer_service import create_layer_app
 
 ROWS = 300  # the branch's customers
 LIMITS = {"max_sessions": 3, "max_width": 256, "max_parameters": 100_000, "max_batch_rows": 512,
-          "max_body_bytes": 1 << 20, "max_activations": 1 << 16, "min_stats_rows": 50}
+          "max_body_bytes": 1 << 20, "max_activations": 1 << 16, "min_stats_rows": 50, "banks": ("bank", "bank2")}
 
 
 # --- services and clients ---------------------------------------------------------------------------------
@@ -273,17 +273,20 @@ def test_concurrent_starts_never_pass_max_sessions(pki, tmp_path, own_clients, m
 # --- sessions do not live for ever ---------------------------------------------------------------------------
 
 
-def test_max_sessions_is_a_clear_429_and_idle_sessions_expire_but_resume(pki, tmp_path, own_clients) -> None:
+def test_max_sessions_is_a_clear_429_per_bank_and_idle_sessions_expire_but_resume(pki, tmp_path, own_clients) -> None:
     server, clients = compute_service(pki, tmp_path, max_sessions=2, session_ttl=1.0), own_clients
     try:
-        idle, busy = peer(server, clients["bank"]), peer(server, clients["bank2"])
+        idle, busy = peer(server, clients["bank"]), peer(server, clients["bank"])
         idle.start(trunk("idle"))
         trains(idle, 1)
         idle.checkpoint(1)
         busy.start(trunk("busy"))
-        third = peer(server, clients["bank2"])
-        with pytest.raises(PeerError, match="HTTP 429.*holds 2 sessions at once"):
+        third = peer(server, clients["bank"])
+        with pytest.raises(PeerError, match="HTTP 429.*bank holds 2 sessions here, the most one bank may"):
             third.start(trunk("third"))
+        other = peer(server, clients["bank2"])  # another bank's slots are its own
+        assert other.start(trunk("other")).step == 0
+        other.end()
         for step in range(1, 5):  # the busy session is used all along: it never expires
             time.sleep(0.35)
             trains(busy, step)
@@ -296,6 +299,29 @@ def test_max_sessions_is_a_clear_429_and_idle_sessions_expire_but_resume(pki, tm
         trains(idle, 2)
     finally:
         for c in clients.values():
+            c.close()
+        server.stop()
+
+
+def test_a_banks_checkpoints_at_a_compute_party_are_bounded_per_bank(pki, tmp_path, own_clients) -> None:
+    """Every checkpoint of a layer session is kept (a bank resumes at any of them): a quota per bank bounds them."""
+    server = compute_service(pki, tmp_path, quotas=BankQuotas(disk_per_bank=8_000))
+    try:
+        mine, theirs = peer(server, own_clients["bank"]), peer(server, own_clients["bank2"])
+        mine.start(trunk("filling"))
+        with pytest.raises(QuotaExceeded, match=r"HTTP 507.*bank 'bank' keeps .* at compute 'compute'.*"
+                                                r"its quota of 0.0 MB \(8,000 bytes, --disk-quota-per-bank\)"):
+            for step in range(1, 100):
+                trains(mine, step)
+                mine.checkpoint(step)
+        assert step > 2  # some fitted; the one over the quota was not written
+        used = sum(p.stat().st_size for p in (tmp_path / "layers" / "bank").rglob("*") if p.is_file())
+        assert used <= 8_000
+        theirs.start(trunk("other"))  # another bank's quota is its own
+        trains(theirs, 1)
+        theirs.checkpoint(1)
+    finally:
+        for c in own_clients.values():
             c.close()
         server.stop()
 

@@ -8,7 +8,6 @@ rows) shows.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np

@@ -29,6 +29,7 @@ from bank.lab.audit import label_leakage, model_completion
 from bank.lab.privacy_study import LABEL_ATTACKS, default_settings
 from bank.split_run import ConfigurationSettings
 from parties.errors import DataError
+from parties.storage.layout import model_folder
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 CONFIGURATIONS = ["u-shaped", "vanilla", "relay", "splitfed"]
@@ -126,7 +127,7 @@ def test_a_moved_run_folder_is_read_from_where_it_now_lies(
     session = run.metrics["session"]
     assert run.audit_dir == moved.resolve() / "bank" / "runs" / session / "audit"
     assert run.model_dir("bank") == moved.resolve() / "bank" / "runs" / session / "model"
-    assert run.model_dir("partner") == moved.resolve() / "partner" / "models" / session
+    assert run.model_dir("partner") == model_folder(moved.resolve() / "partner", "bank", session)
     assert (run.model_dir("bank") / "top.safetensors").exists()
     assert (run.model_dir("partner") / "encoder.json").exists()
     assert len(label_leakage(run)) == 5  # the audit reads the moved folder's files

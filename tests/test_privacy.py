@@ -13,8 +13,7 @@ from bank.config import TrainingConfig
 from bank.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
 from parties.learning.secret import Secret
-from parties.errors import ConfigError, CutlayerError
-from parties.learning.bottom import BottomTrainer
+from parties.errors import CutlayerError
 from parties.learning.embedding_noise import EmbeddingNoise, PrivacyConfig
 from parties.learning.model import BottomConfig
 from tests.training_helpers import federation

@@ -128,7 +128,7 @@ def test_train_shows_the_bank_retrying_and_rolling_back_a_restarted_partner(pki:
         train = subprocess.Popen([sys.executable, "-m", "bank", "train", *operator, "--config",
                                   str(tmp_path / "long.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
-        while not list(state.glob("training/*/*.safetensors")) and time.monotonic() < deadline:  # training has begun
+        while not list(state.glob("banks/bank/training/*/*.safetensors")) and time.monotonic() < deadline:  # training has begun
             time.sleep(0.1)
         partner.proc.send_signal(signal.SIGKILL)
         partner.proc.wait()

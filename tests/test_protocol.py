@@ -31,13 +31,13 @@ def _served(app: object) -> set[str]:
 def test_the_partner_serves_exactly_the_routes_of_its_exchanges(tmp_path: Path) -> None:
     settings = PartnerSettings(name="partner", data=tmp_path / "unused.csv", insecure=True, state_dir=tmp_path)
     expected = (_templates(psi) | _templates(training) | _templates(scoring) | _templates(common)
-                | {control.ADMIN_SESSIONS, control.ADMIN_SESSION, control.ADMIN_ALIGNMENT})
+                | {control.ADMIN_SESSIONS, control.ADMIN_SESSION, control.ADMIN_ALIGNMENTS})
     assert _served(create_partner_app(settings)) == expected
 
 
 def test_the_bank_serves_exactly_its_operator_routes(tmp_path: Path) -> None:
     settings = BankSettings(name="bank", data=tmp_path / "unused.csv", insecure=True, state_dir=tmp_path)
-    expected = (_templates(control) - {control.ADMIN_SESSIONS, control.ADMIN_SESSION, control.ADMIN_ALIGNMENT}
+    expected = (_templates(control) - {control.ADMIN_SESSIONS, control.ADMIN_SESSION, control.ADMIN_ALIGNMENTS}
                 | _templates(common))
     assert _served(create_bank_app(settings)) == expected
 

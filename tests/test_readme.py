@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+from parties.storage.layout import bank_folder, model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -122,7 +123,7 @@ def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Pa
     assert model_id, f"train did not print the model id:\n{train_output}"
     assert f"--model {model_id.group(1)}" in train_output  # and the next command to run
     by_hand_run = tmp_path / "demo" / "state" / "bank" / "runs" / model_id.group(1)
-    by_hand_partner = tmp_path / "demo" / "state" / "partner" / "models" / model_id.group(1)
+    by_hand_partner = model_folder(tmp_path / "demo" / "state" / "partner", "bank", model_id.group(1))
 
     out = tmp_path / "walkthrough"
     run = subprocess.run(
@@ -131,12 +132,12 @@ def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Pa
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    session = next((out / "partner" / "models").iterdir()).name
+    session = next((bank_folder(out / "partner", "bank") / "models").iterdir()).name
     walkthrough_run = out / "bank" / "runs" / session
 
     pairs = [(by_hand_run / "model" / f, walkthrough_run / "model" / f)
              for f in ("top.safetensors", "bank/bottom.safetensors")]
-    pairs.append((by_hand_partner / "bottom.safetensors", out / "partner" / "models" / session / "bottom.safetensors"))
+    pairs.append((by_hand_partner / "bottom.safetensors", model_folder(out / "partner", "bank", session) / "bottom.safetensors"))
     for a, b in pairs:
         ta, tb = load_file(str(a)), load_file(str(b))
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f"{a.name} differs"

@@ -12,6 +12,7 @@ import pytest
 from bank.__main__ import main
 from bank.lab.analysis import latest_run, load_run, resolve_run, write_report
 from parties.errors import DataError
+from parties.storage.layout import model_folder
 
 SESSION = "s1"
 
@@ -155,6 +156,8 @@ def test_a_run_without_a_summary_is_its_own_bank_run(tmp_path: Path) -> None:
     loaded = load_run(run)
     assert loaded.bank_run_dir == run and loaded.audit_dir == run / "audit"
     assert loaded.model_dir("bank") == run / "model"
+    assert loaded.model_dir("partner") == model_folder(run / "partner", "bank", SESSION)
+    (run / "partner" / "models" / SESSION).mkdir(parents=True)  # a partner from before per-bank folders
     assert loaded.model_dir("partner") == run / "partner" / "models" / SESSION
 
 

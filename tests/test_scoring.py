@@ -91,7 +91,7 @@ def test_the_manifest_refuses_a_tampered_model_file(trained, tmp_path: Path) -> 
     path, _ = _new_customers(paths, result, tmp_path)
     manifest = json.loads((Path(result["run_dir"]) / "model" / "manifest.json").read_text())
     assert [p["name"] for p in manifest["parties"]] == ["bank", "partner"]
-    weights = partner.app.state.core.settings.state_path / "models" / result["session"] / "bottom.safetensors"
+    weights = partner.app.state.core.banks["bank"].folder / "models" / result["session"] / "bottom.safetensors"
     blob = bytearray(weights.read_bytes())
     blob[-1] ^= 0x01  # one bit of one weight
     weights.write_bytes(bytes(blob))
@@ -134,7 +134,7 @@ def test_scoring_releases_are_noised_and_counted_under_embedding_noise(pki, bank
     scored = first["status"] == "scored"
     # The same customers scored again by the same model carry the same noise: asking twice averages nothing.
     assert scored.sum() > 100 and np.array_equal(first["score"][scored], second["score"][scored])
-    clean = partner.app.state.core.models[result["session"]]
+    clean = partner.app.state.core.banks["bank"].models[result["session"]]
     assert clean is not None  # the trained bottom, loaded: the noise is what makes the scores differ from it
 
 

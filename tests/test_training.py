@@ -33,7 +33,7 @@ def test_the_same_config_gives_the_same_model_even_after_a_new_psi(pki, bank_ful
         with WorkerPool(1) as pool:  # a fresh PSI: new keys, new blinded values, the same seeded order
             fed.alignment, _ = align_with_partners(fed.bank, {"partner": fed.proxies()[0]}, pool)
         second = fed.coordinator(config, BOTTOMS["bank"]).run()
-        models = fed.partner_core("partner").settings.state_path / "models"
+        models = fed.partner_core("partner").banks["bank"].folder / "models"
         for folder in (tmp_path / "bank-models", models):
             a = saved(folder / first.session_id / "bottom.safetensors")
             b = saved(folder / second.session_id / "bottom.safetensors")

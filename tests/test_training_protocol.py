@@ -67,7 +67,7 @@ def test_the_wrong_alignment_is_refused(fed) -> None:
 
 
 def _snapshot(fed):
-    trainer = fed.partner_core("partner").training("s1").trainer
+    trainer = fed.partner_core("partner").training("bank", "s1").trainer
     return copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict()), trainer.next_step
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from safetensors.torch import load_file
+from parties.storage.layout import model_folder
 
 
 @pytest.mark.parametrize("partners", [1, 2], ids=["1-partner", "2-partners"])
@@ -40,11 +41,11 @@ def test_walkthrough_runs_end_to_end_with_separate_processes(bank_full: Path, tm
     # The summary's paths lie inside the run folder, relative to it: the folder can move.
     assert summary["bank_run_dir"] == f"bank/runs/{session}"
     assert summary["model_files"] == {"bank": f"bank/runs/{session}/model",
-                                      **{n: f"{n}/models/{session}" for n in names}}
+                                      **{n: f"{n}/banks/bank/models/{session}" for n in names}}
     bank_model = out / summary["bank_run_dir"] / "model"
     assert load_file(str(bank_model / "bank" / "bottom.safetensors")) and (bank_model / "top.safetensors").exists()
     for name in names:
-        folder = out / name / "models" / session
+        folder = model_folder(out / name, "bank", session)
         weights = load_file(str(folder / "bottom.safetensors"))
         assert weights and json.loads((folder / "files.json").read_text()) == metrics["model_files"][name]
         assert not list((out / name).rglob("top.safetensors"))  # the top model never leaves the bank

@@ -84,7 +84,7 @@ def test_compressed_training_over_the_services_is_deterministic_and_sends_fewer_
     paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
     results = {}
     with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
-        models = fed.partner_core("partner").settings.state_path / "models"
+        models = fed.partner_core("partner").banks["bank"].folder / "models"
         for precision in ("fp32", "int8", "int8", "fp16"):
             config = TrainingConfig(epochs=3, batch_size=128, restore_best=False, wire_precision=precision)
             coordinator = fed.coordinator(config, BOTTOMS["bank"])

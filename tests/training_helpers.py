@@ -66,7 +66,7 @@ class Federation:
         return Coordinator(config, task, task.targets(labels), [own, *self.proxies()], alignment_id=self.alignment.alignment_id)
 
     def partner_alignment(self, name: str) -> AlignedRows:
-        return self.partner_core(name).alignment
+        return self.partner_core(name).alignment_of("bank")
 
     def unsplit(self, config: TrainingConfig, coordinator: Coordinator, bottoms: dict[str, BottomConfig]) -> UnsplitModel:
         """The same model in one process: every party's features, encoded exactly as each party does."""

@@ -25,6 +25,7 @@ from matplotlib.ticker import MaxNLocator
 from sklearn import metrics as skm
 
 from parties.errors import DataError
+from parties.storage.layout import model_folder
 
 __all__ = [
     "Run",
@@ -80,7 +81,9 @@ class Run:
             return self._stored_path(stored)
         if party == "bank":
             return self.bank_run_dir / "model"
-        return self.path / party / "models" / self.metrics["session"]
+        folder = model_folder(self.path / party, "bank", self.metrics["session"])
+        older = self.path / party / "models" / self.metrics["session"]  # a partner from before per-bank folders
+        return older if not folder.exists() and older.exists() else folder
 
     def _stored_path(self, value: str) -> Path:
         """A path ``summary.json`` names, relative to the run folder.

@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,8 +88,10 @@ class LayerSession:
     """One bank's layers in one session; every public method holds the session's lock."""
 
     def __init__(self, start: LayerStart, owner: str, folder: Path | None, features: torch.Tensor | None = None,
-                 *, max_rows: int = 1 << 16, max_activations: int | None = None) -> None:
-        self.start, self.owner, self.folder = start, owner, folder
+                 *, max_rows: int = 1 << 16, max_activations: int | None = None,
+                 quota: Callable[[int], None] | None = None) -> None:
+        """``quota(nbytes)``: raises ``StorageError`` if ``owner`` may not write a checkpoint of ``nbytes``."""
+        self.start, self.owner, self.folder, self.quota = start, owner, folder, quota
         self.used = time.monotonic()  # the last call that named this session (``LayerHost`` expires idle ones)
         self.kind = start.kind
         if self.kind == "bottom":
@@ -309,6 +312,8 @@ class LayerSession:
             tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
             optim, meta = flatten_optimizer(self.optimizer, "optim")
             tensors.update(optim)
+            if self.quota is not None:
+                self.quota(sum(t.numel() * t.element_size() for t in tensors.values()))
             write_checkpoint(self.folder, step, tensors, {"optimizer": meta, "step": step, "layout": self._layout()},
                              keep=None)
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
-from parties.storage.files import atomic_write_bytes, atomic_write_text
+from parties.storage.files import atomic_write_bytes
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable
 
@@ -125,8 +126,9 @@ class PartySession:
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
         return self
 
-    def save(self, directory: Path) -> dict[str, str]:
-        """Write this party's own model files; return ``{file name: sha256}``."""
+    def save(self, directory: Path, quota: Callable[[int], None] | None = None) -> dict[str, str]:
+        """Write this party's own model files; return ``{file name: sha256}``. ``quota(nbytes)`` raises
+        ``StorageError`` if they may not be written."""
         blobs = {
             "bottom.safetensors": save_tensors(
                 {k: v.contiguous() for k, v in self.trainer.model.state_dict().items()},
@@ -136,10 +138,13 @@ class PartySession:
             "bottom-config.json": self.config.model_dump_json(indent=2).encode(),
         }
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+        listing = (json.dumps(digests, indent=2) + "\n").encode()
+        if quota is not None:
+            quota(sum(map(len, blobs.values())) + len(listing))
         try:
             for name, data in blobs.items():
                 atomic_write_bytes(Path(directory) / name, data)
-            atomic_write_text(Path(directory) / "files.json", json.dumps(digests, indent=2) + "\n")
+            atomic_write_bytes(Path(directory) / "files.json", listing)
         except OSError as exc:
             raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
         return digests

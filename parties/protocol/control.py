@@ -4,7 +4,7 @@ A partner answers its banks' session listing (``parties.protocol.training.SESSIO
 and its own operator's admin routes; the bank answers its own operator
 (``bank.operator`` calls, ``bank.service`` answers)::
 
-    partner operator   GET ADMIN_SESSIONS, DELETE ADMIN_SESSION, GET ADMIN_ALIGNMENT
+    partner operator   GET ADMIN_SESSIONS, DELETE ADMIN_SESSION (a bank's), GET ADMIN_ALIGNMENTS (each bank's)
     bank operator      POST ALIGNMENTS (AlignmentRequest), GET ALIGNMENT,
                        POST/GET TRAININGS, POST RESUME, DELETE TRAINING,
                        POST SCORINGS (a CSV), GET SCORES, GET JOB -> JobStatus
@@ -19,7 +19,7 @@ from pydantic import Field
 from parties.protocol.common import Message
 
 __all__ = [
-    "ADMIN_ALIGNMENT",
+    "ADMIN_ALIGNMENTS",
     "ADMIN_SESSION",
     "ADMIN_SESSIONS",
     "ALIGNMENT",
@@ -31,6 +31,7 @@ __all__ = [
     "TRAINING",
     "TRAININGS",
     "AlignmentInfo",
+    "AlignmentList",
     "AlignmentRequest",
     "JobStatus",
     "SessionList",
@@ -38,8 +39,8 @@ __all__ = [
 ]
 
 ADMIN_SESSIONS = "/admin/sessions"
-ADMIN_SESSION = "/admin/sessions/{session_id}"
-ADMIN_ALIGNMENT = "/admin/alignment"
+ADMIN_SESSION = "/admin/sessions/{bank}/{session_id}"
+ADMIN_ALIGNMENTS = "/admin/alignments"
 
 ALIGNMENTS = "/alignments"
 ALIGNMENT = "/alignment"
@@ -60,16 +61,25 @@ class AlignmentRequest(Message):
     expect_overlap: float | None = Field(
         None, gt=0, le=1, description="the share of the bank's customers the operator expects each partner to hold: "
         "a partner matching far fewer (under three quarters of it) is warned about")
+    max_overlap: float | None = Field(
+        None, gt=0, le=1, description="refuse, before anything is committed, a partner matching more than this share "
+        "of the bank's customers (a partner claiming IDs it does not hold learns them at the commit); default: "
+        "expect_overlap + 0.05 if given, else the bank's setting (0.95)")
 
 
 class AlignmentInfo(Message):
     alignment_id: str
     rows: int
+    bank: str | None = Field(None, description="the bank it is with (a partner's operator's listing only)")
     pairwise: dict[str, int] = Field(default_factory=dict)
     bank_customers: int | None = Field(None, description="the bank's customers (the bank's answer only)")
     shares: dict[str, float] = Field(default_factory=dict, description="per partner, the share of the bank's "
                                      "customers it matched")
     warnings: list[str] = Field(default_factory=list)
+
+
+class AlignmentList(Message):
+    alignments: list[AlignmentInfo]
 
 
 class JobStatus(Message):

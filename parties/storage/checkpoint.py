@@ -25,6 +25,8 @@ import json
 import logging
 import re
 import threading
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -122,8 +124,9 @@ class CheckpointWriter:
     to, after a restore): what the party reports to the bank for retention.
     """
 
-    def __init__(self, keep: int | None = None) -> None:
-        self.keep = keep
+    def __init__(self, keep: int | None = None, quota: Callable[[int], None] | None = None) -> None:
+        """``quota(nbytes)``: raises ``StorageError`` if the owner may not write ``nbytes`` more (checked per write)."""
+        self.keep, self.quota = keep, quota
         self.durable: int | None = None
         self.failure: StorageError | None = None
         self._lock = threading.Lock()
@@ -145,7 +148,13 @@ class CheckpointWriter:
     def _write(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str,
                floor: int | None) -> Path:
         try:
+            if self.quota is not None:
+                self.quota(sum(t.numel() * t.element_size() for t in tensors.values()) + len(meta_json))
             path = _write(folder, step, tensors, meta_json, self.keep, floor)
+        except StorageError as exc:  # over the owner's quota: nothing was written
+            self.failure = exc
+            logger.error("checkpoint of step %d not written: %s", step, exc)
+            raise
         except OSError as exc:
             self.failure = StorageError(
                 f"could not write the checkpoint of step {step} to {Path(folder) / f'step-{step}.safetensors'}: "
@@ -201,6 +210,21 @@ def remove_checkpoints(folder: Path) -> None:
     """Delete every checkpoint in ``folder`` (an abandoned start's), leaving the folder itself."""
     for step in checkpoint_steps(folder):
         (Path(folder) / f"step-{step}.safetensors").unlink(missing_ok=True)
+
+
+def remove_idle_checkpoints(folders: Iterable[Path], ttl: float, now: float | None = None) -> list[Path]:
+    """Remove the checkpoints of each of ``folders`` whose newest file is over ``ttl`` seconds old; return those
+    folders (each stays, empty: a session's ID is not reused). For sessions no bank has used for that long."""
+    now = time.time() if now is None else now
+    removed = []
+    for folder in folders:
+        if not checkpoint_steps(folder):
+            continue
+        newest = max((p.stat().st_mtime for p in Path(folder).iterdir()), default=0.0)
+        if now - newest > ttl:
+            remove_checkpoints(folder)
+            removed.append(Path(folder))
+    return removed
 
 
 def checkpoint_steps(folder: Path) -> list[int]:
