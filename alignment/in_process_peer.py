@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from alignment.parallel import WorkerPool
-from alignment.psi import PsiResponder, SessionInfo, check_id_types
+from alignment.psi import Committed, PsiResponder, SessionInfo, check_id_types
 from parties.errors import UnknownSession
 from parties.tables.ids import IdType
 
@@ -35,7 +35,8 @@ class LocalPsiPeer:
         except KeyError:
             raise UnknownSession(f"no PSI session {session_id}") from None
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
+             log_head: str | None = None) -> SessionInfo:
         check_id_types(self.id_type, id_type, "the responder", "the initiator")
         r = PsiResponder(self.own_points, own_count, self.pool, self.threads, chunk_items)
         self.sessions[r.session_id] = r
@@ -60,7 +61,8 @@ class LocalPsiPeer:
         if session is not None:
             session.close()
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray) -> int:
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training",
+               log_head: str | None = None) -> Committed:
         self.sent.append(positions.astype("<u4").tobytes())
         self.committed = (alignment_id, self._session(session_id).finish(positions))
-        return len(positions)
+        return Committed(len(positions))

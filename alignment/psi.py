@@ -61,6 +61,7 @@ from parties.tables.ids import IdType
 
 __all__ = [
     "CHUNK_ITEMS",
+    "Committed",
     "MAX_IDS",
     "PROTOCOL_VERSION",
     "TRUNCATED_BYTES",
@@ -175,13 +176,22 @@ class SessionInfo:
     peer_count: int
     chunk_items: int
     id_type: IdType = "text"
+    log_head: str | None = None  # the peer's session-log chain head, if it keeps one
+
+
+@dataclass(frozen=True)
+class Committed:
+    rows: int  # the rows the peer kept
+    log_head: str | None = None  # its session-log chain head after it logged the commit
 
 
 class PsiPeer(Protocol):
     """What the initiator needs from the other side, whatever the transport."""
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
-        """Open a session for ``own_count`` IDs canonicalised as ``id_type``; a peer of another type refuses."""
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
+             log_head: str | None = None) -> SessionInfo:
+        """Open a session for ``own_count`` IDs canonicalised as ``id_type``; a peer of another type refuses.
+        ``log_head``: this side's session-log chain head, for the peer to keep."""
         ...
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None: ...
@@ -196,8 +206,9 @@ class PsiPeer(Protocol):
 
     def abort(self, session_id: str) -> None: ...
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray) -> int:
-        """Tell the peer which of its blinded set's positions to keep, in which order; returns its row count."""
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training",
+               log_head: str | None = None) -> Committed:
+        """Tell the peer which of its blinded set's positions to keep, in which order."""
         ...
 
 
@@ -313,12 +324,14 @@ def run_initiator(
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     id_type: IdType = "text",
-    admit: Callable[[str, int], None] | None = None,
+    admit: Callable[[SessionInfo], None] | None = None,
+    log_head: str | None = None,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
-    ``admit(session_id, peer_count)``: the party's own limits on what the peer announced
-    (``alignment.partnership``), called before anything is blinded; what it raises aborts the session.
+    ``admit(info)``: the party's own limits on what the peer announced (``alignment.partnership``), called
+    before anything is blinded; what it raises aborts the session. ``log_head``: this party's session-log
+    chain head, sent for the peer to keep.
 
     ``id_type``: how ``own_points``' IDs were canonicalised; a peer whose IDs are of another type is
     refused (``IdTypeMismatch``): matched, the two would silently share fewer customers than they do.
@@ -329,7 +342,7 @@ def run_initiator(
     own_count = len(own_points) // curve.POINT_BYTES
     key = curve.generate_key()
     order = fresh_order(own_count)
-    info = peer.open(own_count, chunk_items, id_type)
+    info = peer.open(own_count, chunk_items, id_type, log_head)
     try:
         check_id_types(id_type, info.id_type, "the bank", "the partner")
         if info.chunk_items != chunk_items:
@@ -337,7 +350,7 @@ def run_initiator(
         if not 0 <= info.peer_count <= max_peer_count:
             raise PeerError(f"the peer announced {info.peer_count} IDs; at most {max_peer_count} are accepted")
         if admit is not None:
-            admit(info.session_id, info.peer_count)
+            admit(info)
         say("blinding own IDs")
         shuffled = _permuted(own_points, order)
         own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False)  # our own hashes: nothing to check

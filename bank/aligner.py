@@ -36,7 +36,8 @@ import numpy as np
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.partnership import Partnership, check_overlap
+from alignment.exposure import Exposure, customer_keys
+from alignment.partnership import Partnership
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
 from parties.errors import ConfigError, CutlayerError
 from parties.settings import DEFAULT_MAX_OVERLAP, PsiLimits
@@ -124,13 +125,15 @@ def align_with_partners(
     bank_name: str = "bank",
     mode: AlignmentMode = "concurrent",
     partnership: Partnership | None = None,
+    exposure: Exposure | None = None,
     max_overlap: float = DEFAULT_MAX_OVERLAP,
 ) -> tuple[AlignedRows, dict[str, int]]:
     """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows.
 
-    ``partnership``: the bank's limits on what each partner may bring, and its session log (default: the
-    default limits, kept in memory). A partner matching more than ``max_overlap`` of the bank's customers is
-    refused before anything is committed (``alignment.partnership.check_overlap``).
+    ``partnership``: the bank's limits on what each partner may bring, and its session log; ``exposure``: what
+    each partner has been told of the bank's customers so far (defaults: the default limits, in memory). A
+    partner that would have matched more than ``max_overlap`` of the bank's customers sent to it, over the
+    partnership, is refused before anything is committed (``alignment.exposure``).
     A partner's failure stops the others' sessions (each is aborted at its partner) and is raised
     with the partner's name in its message.
     """
@@ -138,13 +141,15 @@ def align_with_partners(
     if not partners:
         raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
     book = partnership or Partnership(PsiLimits(), len(table))
+    told = exposure or Exposure()
+    keys = customer_keys(table.normalized_ids)
     board = _Board(list(partners), say)
     cancel = threading.Event()
     opened: dict[str, tuple[str, PsiResult]] = {}  # sessions to abort if anything fails before their commit
     failures: list[BaseException] = []  # in the order they happened; another partner's cancel is none
     lock = threading.Lock()
 
-    logged = {name: book.initiated(name, "training") for name in partners}
+    logged = {name: book.initiated(name, "training", len(table)) for name in partners}
 
     def pairwise(name: str) -> tuple[str, PsiResult]:
         report = board.reporter(name)
@@ -153,12 +158,12 @@ def align_with_partners(
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
-                                               id_type=table.id_type, admit=logged[name].admit)
+                                               id_type=table.id_type, admit=logged[name].admit, log_head=book.head)
             with lock:
                 opened[name] = (session_id, result)
             report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
-            check_overlap(name, len(result), len(table), max_overlap)
+            told.check(name, keys, keys[result.rows], max_overlap)
             return session_id, result
         except BaseException as exc:
             cancel.set()
@@ -187,9 +192,12 @@ def align_with_partners(
         counts = {name: len(result) for name, (_, result) in results.items()}
         say("committing the alignment")
         for name, (session_id, result) in results.items():
-            partners[name].commit(session_id, alignment.alignment_id, _positions_in(result, rows, len(table)))
+            told.add(name, keys, keys[result.rows])
+            committed = partners[name].commit(session_id, alignment.alignment_id,
+                                              _positions_in(result, rows, len(table)), log_head=book.head)
             del opened[name]
-            logged[name].ended("committed", matched=len(result), result=len(rows), alignment=alignment.alignment_id)
+            logged[name].ended("committed", matched=len(result), result=len(rows), alignment=alignment.alignment_id,
+                               peer_head=committed.log_head)
     except BaseException as exc:
         for name, (session_id, _) in opened.items():
             try:

@@ -367,6 +367,9 @@ def print_scoring(result: dict[str, Any], out: Path) -> None:
     print(f"{result['scored']} of {result['rows']} customers scored; {result['unscorable']} unscorable -> {out}")
     for partner, reason in result.get("refused", {}).items():
         print(f"  {reason}; {partner} counts as holding none of them")
+    for partner, share in result.get("max_overlap", {}).items():
+        print(f"  {partner} may match at most {share:.0%} of the bank's customers sent to it over the partnership "
+              "(its alignment's --expect-overlap or --max-overlap; score --max-overlap sets another)")
     for model, count in result.get("models", {}).items():
         if model != "joint":
             print(f"  {count} scored by the {model} model: customers some partners do not hold (or refused)")

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from alignment.parallel import WorkerPool
+from alignment.exposure import Exposure
 from alignment.partnership import Partnership
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
@@ -104,6 +105,7 @@ class BankCore:
         self.jobs = JobRunner()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))
+        self.exposure = Exposure(settings.state_path / "exposure")
         ceilings = settings.state_path / CEILINGS
         self.ceilings: dict[str, float] = json.loads(ceilings.read_text()) if ceilings.exists() else {}
         self.pairwise: dict[str, int] = {}
@@ -135,6 +137,7 @@ class BankCore:
                 bank_name=self.settings.name,
                 mode=request.mode,
                 partnership=self.partnership,
+                exposure=self.exposure,
                 max_overlap=ceiling,
             )
         self.alignment, self.pairwise = alignment, pairwise
@@ -334,13 +337,13 @@ class BankCore:
               progress: Progress, accept_drift: bool = False, max_overlap: float | None = None) -> dict[str, Any]:
         model_dir = self.model_dir(model_id)
         names = [p.name for p in read_manifest(model_dir).parties[1:]]
+        ceilings = {n: max_overlap or self.ceilings.get(n, self.settings.max_overlap) for n in names}
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client, ExitStack() as proxies:
             partners = {n: proxies.enter_context(p) for n, p in self._proxies(client, names).items()}
             result = score_customers(table, model_dir, self.settings.name, partners, self.pool,
                                      allow_missing=allow_missing, accept_drift=accept_drift, progress=progress,
-                                     partnership=self.partnership, aligned_ids=self._aligned_ids(),
-                                     max_overlap={n: max_overlap or self.ceilings.get(n, self.settings.max_overlap)
-                                                  for n in names})
+                                     partnership=self.partnership, exposure=self.exposure,
+                                     max_overlap=ceilings)
         scores = result.table
         out = upload.with_name("scores.csv")
         atomic_write_text(out, scores.to_csv(index=False))  # 0600, like every file of the bank's
@@ -348,14 +351,7 @@ class BankCore:
         return {"model_id": model_id, "scores_file": str(out), "rows": len(scores), "scored": scored,
                 "unscorable": len(scores) - scored, "scored_without": result.scored_without,
                 "models": result.models, "refused": result.refused, "fallbacks": result.fallbacks,
-                "drift": result.drift, "drift_warnings": result.drift_warnings}
-
-    def _aligned_ids(self) -> frozenset[bytes]:
-        """The customers every partner was committed for training (a scoring PSI tells it nothing new of them)."""
-        if self.alignment is None:
-            return frozenset()
-        ids = self.table.normalized_ids
-        return frozenset(ids[r] for r in self.alignment.rows)
+                "drift": result.drift, "drift_warnings": result.drift_warnings, "max_overlap": ceilings}
 
     def start_scoring(self, model_id: str, csv: bytes, allow_missing: bool, accept_drift: bool = False,
                       max_overlap: float | None = None) -> Job:

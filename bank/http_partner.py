@@ -15,6 +15,7 @@ against both.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
 
 from alignment.curve import POINT_BYTES
-from alignment.psi import CHUNK_ITEMS, TRUNCATED_BYTES, SessionInfo
+from alignment.psi import CHUNK_ITEMS, TRUNCATED_BYTES, Committed, SessionInfo
 from parties.errors import (
     AlignmentMismatch,
     BadMessage,
@@ -192,13 +193,15 @@ class HttpPartner:
                 if time.monotonic() > deadline:
                     raise PeerError(f"partner {self.name!r} was not ready with {what} in {self.wait_deadline:.0f}s")
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
-        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items, id_type=id_type).model_dump()
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
+             log_head: str | None = None) -> SessionInfo:
+        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items, id_type=id_type,
+                                  log_head=log_head).model_dump(exclude_none=True)
         response = self._call("POST", psi.SESSIONS, "opening a PSI session", json=body)
         expect_server(response, self.name, "partner")
         info = psi.PsiOpenResponse.model_validate(response.json())
         self._chunk_items = chunk_items  # what was agreed bounds every chunk read (run_initiator checks the answer)
-        return SessionInfo(info.session, info.count, info.chunk_items, info.id_type)
+        return SessionInfo(info.session, info.count, info.chunk_items, info.id_type, info.log_head)
 
     def _put(self, path: str, data: bytes, what: str) -> None:
         self._call("PUT", path, what, content=data, headers={"content-type": OCTET_STREAM})
@@ -214,15 +217,16 @@ class HttpPartner:
         return self._get_when_ready(fill(psi.REBLINDED, session_id=session_id, index=index), "the re-blinded IDs",
                                     self._chunk_items * TRUNCATED_BYTES)
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training") -> int:
-        response = self._call(
-            "POST",
-            fill(psi.COMMIT, session_id=session_id),
-            "the alignment",
-            content=psi.encode_positions(positions),
-            headers={"content-type": OCTET_STREAM, psi.ALIGNMENT_HEADER: alignment_id, psi.PURPOSE_HEADER: purpose},
-        )
-        return control.AlignmentInfo.model_validate(response.json()).rows
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training",
+               log_head: str | None = None) -> Committed:
+        headers = {"content-type": OCTET_STREAM, psi.ALIGNMENT_HEADER: alignment_id, psi.PURPOSE_HEADER: purpose}
+        if log_head is not None:
+            headers[psi.LOG_HEAD_HEADER] = log_head
+        response = self._call("POST", fill(psi.COMMIT, session_id=session_id), "the alignment",
+                              content=psi.encode_positions(positions), headers=headers)
+        info = control.AlignmentInfo.model_validate(response.json())
+        head = info.log_head if info.log_head is not None and re.fullmatch(psi.LOG_HEAD, info.log_head) else None
+        return Committed(info.rows, head)
 
     def abort(self, session_id: str) -> None:
         self._call("DELETE", fill(psi.SESSION, session_id=session_id), "aborting the session")

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from alignment.psi import PsiPeer
+from alignment.psi import Committed, PsiPeer
 from parties.learning.config import LocalSteps
 from parties.protocol.training import ModelFiles, PrivacyReport
 from parties.tables.drift import Drift
@@ -93,8 +93,10 @@ class ScoringParty(PsiPeer, Protocol):
 
     name: str
 
-    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training") -> int:
-        """Fix the intersection's order at the partner; ``purpose``: ``training`` or ``scoring``."""
+    def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training",
+               log_head: str | None = None) -> Committed:
+        """Fix the intersection's order at the partner; ``purpose``: ``training`` or ``scoring``; ``log_head``:
+        the bank's session-log chain head, for the partner to keep."""
         ...
 
     def load_model(self, model_id: str, files: dict[str, str], width: int) -> None:

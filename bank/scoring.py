@@ -27,7 +27,8 @@ import torch
 
 from alignment.cache import hashed_points
 from alignment.parallel import WorkerPool
-from alignment.partnership import OverlapTooHigh, Partnership, check_overlap
+from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
+from alignment.partnership import Partnership
 from alignment.psi import partnership_dst, run_initiator
 from bank.aggregation import Aggregation, get_aggregation
 from bank.bank_only import BankOnlyModel
@@ -69,6 +70,7 @@ class _Customers:
 
     def __init__(self, table: PartyTable, names: list[str]) -> None:
         self.table, self.names, self.n = table, names, len(table)
+        self.keys = customer_keys(table.normalized_ids)  # how the exposure ledger names them
         self.embeddings: dict[str, torch.Tensor] = {}
         self.held: dict[str, np.ndarray] = {}
         self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
@@ -76,28 +78,28 @@ class _Customers:
         self.drift: dict[str, Drift] = {}
 
     def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
-              say: Progress, book: Partnership, max_overlap: float, known: np.ndarray) -> str | None:
+              say: Progress, book: Partnership, told: Exposure, max_overlap: float) -> str | None:
         """PSI with ``partner`` and its embeddings of the customers it holds; why it was left out, if it was
-        (it refused the alignment, or matched more than ``max_overlap`` of the customers it was not already
-        committed for training, ``~known``: those it learns nothing new of)."""
+        (it refused the alignment, or would have matched more than ``max_overlap`` of the bank's customers sent
+        to it over the partnership: ``alignment.exposure``)."""
         name = partner.name
         self.embeddings[name] = torch.zeros((self.n, width))
         self.held[name] = np.zeros(self.n, dtype=bool)
         self.why[name] = f"not held by {name}"
         points = hashed_points(self.table.normalized_ids, pool, None, partnership_dst(bank_name, name))
-        logged = book.initiated(name, "scoring")
+        logged = book.initiated(name, "scoring", self.n)
         try:
-            session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type, admit=logged.admit)
+            session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type, admit=logged.admit,
+                                               log_head=book.head)
         except BaseException as exc:
             logged.failed(exc)
             raise
         scoring_id = uuid.uuid4().hex
         try:
-            fresh = ~known
-            matched_fresh = int(np.count_nonzero(fresh[result.rows]))
-            check_overlap(name, matched_fresh, int(fresh.sum()), max_overlap,
-                          "of the customers to score it was not already aligned with for training:")
-            partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring")
+            told.check(name, self.keys, self.keys[result.rows], max_overlap)
+            told.add(name, self.keys, self.keys[result.rows])
+            committed = partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring",
+                                       log_head=book.head)
         except (IntersectionTooSmall, OverlapTooHigh) as exc:  # a policy of either side: none is scored with it
             self.why[name] = (f"{name} refused the alignment" if isinstance(exc, IntersectionTooSmall) else
                               f"{name} matched more of these customers than --max-overlap allows")
@@ -108,7 +110,8 @@ class _Customers:
         except BaseException as exc:
             logged.failed(exc, matched=len(result))
             raise
-        logged.ended("committed", matched=len(result), result=len(result), alignment=scoring_id)
+        logged.ended("committed", matched=len(result), result=len(result), alignment=scoring_id,
+                     peer_head=committed.log_head)
         self.fallbacks[name] = {}
         for start in range(0, len(result), BATCH):
             positions = torch.arange(start, min(start + BATCH, len(result)))
@@ -136,7 +139,7 @@ def score_customers(
     progress: Progress | None = None,
     partnership: Partnership | None = None,
     max_overlap: Mapping[str, float] | None = None,
-    aligned_ids: frozenset[bytes] = frozenset(),
+    exposure: Exposure | None = None,
 ) -> Scores:
     """Scores for ``table``'s customers: one row each, with ``score``, ``status``, ``parties`` and ``model``.
 
@@ -157,7 +160,7 @@ def score_customers(
     top = head_from_blob((model_dir / "top.safetensors").read_bytes(), aggregation.width(list(widths.values())), task)
 
     book = partnership or Partnership(PsiLimits(), len(table))
-    known = np.fromiter((i in aligned_ids for i in table.normalized_ids), dtype=bool, count=len(table))
+    told = exposure or Exposure()
     customers = _Customers(table, names)
     customers.drift[bank_name] = own.encoder.drift(table.features)
     judge_drift({bank_name: customers.drift[bank_name]}, accept_drift, {bank_name: len(table)})  # before any PSI
@@ -170,7 +173,7 @@ def score_customers(
         partner.load_model(manifest.model_id, entry.files, entry.embedding_width)
         say(f"{name}: aligning the customers (PSI)", k / (len(names) + 1))
         ceiling = (max_overlap or {}).get(name, DEFAULT_MAX_OVERLAP)
-        reason = customers.align(partner, entry.embedding_width, manifest, bank_name, pool, say, book, ceiling, known)
+        reason = customers.align(partner, entry.embedding_width, manifest, bank_name, pool, say, book, told, ceiling)
         if reason is not None:
             refused[name] = reason
             say(f"{name} left out of the alignment: {reason}", None)

@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from parties.cli import command, configure_logging, description, run_cli
-from parties.errors import ConfigError
-from parties.storage.session_log import verify_log
+from parties.errors import ConfigError, LogTampered
+from parties.storage.session_log import GENESIS, verify_log
 from parties.transport.tls import DEFAULT_HOSTS, write_dev_pki
 
 #: The integer fields a summary line adds up: what a PSI session's peer declared, sent, and what came of it.
@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                      handler=_verify_log_command)
     verify.add_argument("path", type=Path, metavar="PATH", help="the session log (JSON lines)")
     verify.add_argument("--json", action="store_true", help="print the records as a JSON list instead of the summary")
+    verify.add_argument("--against", type=Path, default=None, metavar="PEER_LOG",
+                        help="the peer's own session log (its operator sends it): every chain head of the peer that "
+                             "PATH kept must be in it, or the peer rewrote or cut its log; give --peer too")
+    verify.add_argument("--peer", default=None, help="the peer whose log --against is (its name in PATH's records)")
     return parser
 
 
@@ -67,7 +71,25 @@ def _verify_log_command(args: argparse.Namespace) -> int:
         print(line)
     tail = f"; the torn line {len(records) + 1} (a write cut short by a crash) was left out" if records.torn else ""
     print(f"{_records(len(records))}, chain intact{tail}")
+    if args.against is None:
+        return 0
+    if not args.peer:
+        raise ConfigError("--against needs --peer NAME: whose log it is")
+    missing = missing_heads(records, verify_log(args.against), args.peer)
+    kept = sum(1 for r in records if r.get("peer") == args.peer and r.get("peer_head"))
+    if missing:
+        raise LogTampered(f"{args.against}: {len(missing)} of the {kept} chain heads of {args.peer!r} that {args.path} "
+                          f"kept are not in it (first at line {missing[0]} of {args.path}): {args.peer} rewrote or cut "
+                          "its log after it sent them")
+    print(f"{args.against}: holds all {kept} chain heads of {args.peer!r} that {args.path} kept")
     return 0
+
+
+def missing_heads(records: list[dict[str, object]], peer_records: list[dict[str, object]], peer: str) -> list[int]:
+    """The lines of ``records`` keeping a chain head of ``peer`` that ``peer_records`` (its log) does not hold."""
+    hashes = {GENESIS, *(str(r["hash"]) for r in peer_records)}
+    return [n for n, r in enumerate(records, start=1)
+            if r.get("peer") == peer and r.get("peer_head") and r["peer_head"] not in hashes]
 
 
 def _summary_lines(records: list[dict[str, object]]) -> list[str]:

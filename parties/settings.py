@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -28,13 +29,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+#: A party's name, as its certificate's CN and its folders spell it.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
 class ServiceSettings(BaseSettings):
     """What every party service needs."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
     role: ClassVar[Role]
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(min_length=1, max_length=64, pattern=NAME.pattern)
     data: Path
     id_column: str | None = Field(None, description="default: the schema file's, else customer_id")
     id_type: IdType | None = Field(None, description="integer (12, 12.0 and 0012 are one customer) or text (IDs as "
@@ -259,6 +264,10 @@ class LayerHostSettings(ServiceSettings):
         if not banks:
             raise ValueError("name the banks this service holds layers for (--bank NAME, repeat per bank): "
                              "otherwise any bank the CA certifies could take its sessions and disk")
+        for bank in banks:
+            if not NAME.fullmatch(bank):
+                raise ValueError(f"{bank!r} is not a party's name (its certificate's CN: letters, digits, '_', '.', "
+                                 "'-', at most 64)")
         return banks
 
 

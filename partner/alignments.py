@@ -60,7 +60,8 @@ class PsiDesk:
             raise BadMessage(f"chunk_items must be between 1 and {MAX_CHUNK_ITEMS}")
         space = self.banks[bank]
         session_id = uuid.uuid4().hex
-        self.partnership.admit(bank, request.count, session=session_id, side="bank")  # before anything is blinded
+        head = self.partnership.admit(bank, request.count, session=session_id, side="bank",  # before any blinding
+                                      peer_head=request.log_head)
         with self._lock:
             self._expire()
             if len(space.psi) >= self.settings.max_psi_sessions:
@@ -75,7 +76,7 @@ class PsiDesk:
             space.psi[session_id] = responder
         logger.info("PSI session %s opened by %s", session_id, bank)
         return PsiOpenResponse(session=session_id, count=responder.own_count, chunk_items=responder.chunk_items,
-                               id_type=self.table.id_type)
+                               id_type=self.table.id_type, log_head=head)
 
     def _hashed_for(self, bank: str) -> Future[bytes]:
         with self._lock:
@@ -113,7 +114,7 @@ class PsiDesk:
         return True
 
     def commit(self, bank: str, session_id: str, alignment_id: str, positions: np.ndarray,
-               purpose: str = "training") -> AlignmentInfo:
+               purpose: str = "training", peer_head: str | None = None) -> AlignmentInfo:
         """Keep the rows the bank chose (positions in the blinded set this side sent), in its order.
 
         ``min_intersection`` is a commit policy: fewer rows are refused. It is not a privacy control:
@@ -138,17 +139,17 @@ class PsiDesk:
                 while len(space.scoring_alignments) > MAX_SCORING_ALIGNMENTS:
                     space.scoring_alignments.pop(next(iter(space.scoring_alignments)))
         else:
-            self.banks.check_quota(bank, rows.nbytes)
             aligned = AlignedRows(alignment_id, rows)
-            save_alignment(space.folder, self.table, aligned)
+            with self.banks.reserve(bank, rows.nbytes):
+                save_alignment(space.folder, self.table, aligned)
             space.alignment = aligned
         with self._lock:
             space.psi.pop(session_id, None)
             responder.close()
-        self.partnership.record("committed", bank, session=session_id, received=responder.received,
-                                result=len(rows), purpose=purpose, alignment=alignment_id)
+        head = self.partnership.record("committed", bank, session=session_id, received=responder.received,
+                                       result=len(rows), purpose=purpose, alignment=alignment_id, peer_head=peer_head)
         logger.info("alignment %s of %s committed for %s: %d rows", alignment_id, bank, purpose, len(rows))
-        return AlignmentInfo(alignment_id=alignment_id, rows=len(rows))
+        return AlignmentInfo(alignment_id=alignment_id, rows=len(rows), log_head=head)
 
     def expire(self) -> None:
         with self._lock:

@@ -7,13 +7,15 @@ model or alignment ID finds nothing (404), cannot keep it alive, and uses slots 
 
 On disk: ``<state>/banks/<bank>/`` holds ``alignment.safetensors`` (the training alignment),
 ``training/<session>/`` (checkpoints) and ``models/<session>/`` (trained bottoms), all counted against the
-bank's disk quota. Checkpoints of a session unused for ``checkpoint_ttl`` are removed.
+bank's disk quota (each folder too). The folder of a session unused for ``checkpoint_ttl`` is removed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from parties.errors import BadMessage
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
 from parties.settings import BankQuotas
-from parties.storage.checkpoint import remove_idle_checkpoints
+from parties.storage.checkpoint import remove_idle_sessions
 from parties.storage.layout import bank_folder, banks_root, model_folder, training_folder
 from parties.storage.quota import DiskQuota
 from parties.tables.drift import Drift
@@ -36,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: Files of a partner from before per-bank spaces: they name no bank, so none is given them.
 LEGACY_STATE = ("alignment.safetensors", "training", "models")
-ENDED = "ended"  # in a training session's folder: the session is over and never comes back
+ENDED = "ended"  # in a training session's folder: the session is over and never comes back (until swept)
+SWEEP_EVERY = 60.0  # seconds between sweeps of idle session folders: a start does not walk every folder
 
 
 def _id(value: str, what: str) -> str:
@@ -79,6 +82,7 @@ class Banks:
         self.state, self.root, self.table, self.quotas = state, banks_root(state), table, quotas
         self.quota = DiskQuota(self.root, quotas.disk_per_bank, party=f"partner {party!r}")
         self._spaces: dict[str, BankSpace] = {}
+        self._swept = -SWEEP_EVERY  # when the last sweep ran (monotonic)
         self._lock = threading.Lock()
         legacy = [state / name for name in LEGACY_STATE if (state / name).exists()]
         if legacy:
@@ -99,16 +103,22 @@ class Banks:
         with self._lock:
             return list(self._spaces.values())
 
-    def check_quota(self, bank: str, adding: int) -> None:
-        """Refuse (``QuotaExceeded``, HTTP 507) what would take ``bank`` past its disk quota here."""
-        self.quota.check(bank, adding)
+    def reserve(self, bank: str, adding: int) -> AbstractContextManager[None]:
+        """Hold ``adding`` bytes of ``bank``'s disk quota here for a write, or refuse (``QuotaExceeded``, 507)."""
+        return self.quota.reserve(bank, adding)
 
     def sweep(self, now: float | None = None) -> list[Path]:
-        """Remove the checkpoints of sessions unused for ``checkpoint_ttl`` and not live; return their folders."""
+        """Remove the folders of sessions unused for ``checkpoint_ttl`` and not live (checkpoints, and the mark of
+        an ended one); return them. Runs at most once a ``SWEEP_EVERY`` seconds, or half the TTL (``now`` given: at
+        once)."""
+        with self._lock:
+            if now is None and time.monotonic() - self._swept < min(SWEEP_EVERY, self.quotas.checkpoint_ttl / 2):
+                return []
+            self._swept = time.monotonic()
         live = {s.training_dir(sid) for s in self.spaces() for sid in s.training}
         idle = [f for f in self.root.glob("*/training/*") if f not in live] if self.root.is_dir() else []
-        removed = remove_idle_checkpoints(idle, self.quotas.checkpoint_ttl, now)
+        removed = remove_idle_sessions(idle, self.quotas.checkpoint_ttl, now)
         for folder in removed:
-            logger.info("session %s of %s unused for over %.0f s: its checkpoints were removed",
+            logger.info("session %s of %s unused for over %.0f s: its folder was removed",
                         folder.name, folder.parent.parent.name, self.quotas.checkpoint_ttl)
         return removed

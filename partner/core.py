@@ -7,6 +7,7 @@ Every call names the bank that makes it (its certificate name): what the partner
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +107,7 @@ class PartnerCore:
 
     def _own(self, session: PartySession, bank: str) -> None:
         session.owner = bank
-        session.writer.quota = lambda nbytes: self.banks.check_quota(bank, nbytes)
+        session.writer.quota = lambda nbytes: self.banks.reserve(bank, nbytes)
 
     def training(self, bank: str, session_id: str, *, live: bool = True) -> PartySession:
         """``bank``'s live session, or, after a restart, the session rebuilt from its latest checkpoint.
@@ -164,7 +165,7 @@ class PartnerCore:
         if restore_best:
             session.trainer.restore_best()
         folder = self.banks[bank].model_dir(session_id)
-        files = session.save(folder, quota=lambda nbytes: self.banks.check_quota(bank, nbytes))
+        files = session.save(folder, quota=lambda nbytes: self.banks.reserve(bank, nbytes))
         logger.info("training session %s of %s finished; model written", session_id, bank)
         return ModelFiles(session=session_id, files=files)
 
@@ -240,8 +241,10 @@ class PartnerCore:
             raise UnknownSession(f"this partner has no model {model_id}")
         try:
             model = ScoringBottom(folder, files)
-        except DataError as exc:
-            raise AlignmentMismatch(f"model {model_id}: {exc}") from exc
+        except DataError as exc:  # said with file names only: the bank is told no path of this partner's disk
+            logger.warning("model %s of %s refused: %s", model_id, bank, exc)
+            detail = str(exc).replace(f"{folder}{os.sep}", "").replace(str(folder), "its folder")
+            raise AlignmentMismatch(f"model {model_id}: {detail}") from exc
         if model.width != width:
             raise AlignmentMismatch(f"model {model_id} embeds {model.width} wide, the manifest says {width}")
         with self._lock:

@@ -41,7 +41,7 @@ from parties.protocol import layers
 from parties.protocol.common import SCHEMA_VERSION
 from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
 from parties.settings import LayerHostSettings
-from parties.storage.checkpoint import remove_idle_checkpoints
+from parties.storage.checkpoint import remove_idle_sessions
 from parties.storage.files import private_dir
 from parties.storage.quota import DiskQuota
 from parties.tables.encoding import TabularEncoder, category_text
@@ -60,7 +60,7 @@ async def bank_only(request: Request, who: PeerIdentity = Depends(is_bank)) -> P
     """A caller whose certificate says bank, and (if the service names its banks) one of those."""
     banks = request.app.state.settings.banks
     if banks and who.name not in banks:
-        raise Forbidden(f"this service holds layers for {list(banks)} only, not for bank {who.name!r}")
+        raise Forbidden(f"this service holds no layers for bank {who.name!r}")  # which banks it serves is its own
     return who
 
 
@@ -118,6 +118,7 @@ class LayerHost:
         self.root = settings.state_path / "layers"
         self.quota = DiskQuota(self.root, settings.quotas.disk_per_bank, party=f"{settings.role} {settings.name!r}")
         self.sessions: dict[tuple[str, str], LayerSession] = {}
+        self._swept = -60.0  # when idle session folders were last swept (monotonic)
         self._lock = threading.Lock()
         self._starting = threading.Lock()  # one start at a time: the count checked is the count inserted into
         self._ids = layers.ids_sha256(table.ids) if table is not None else ""
@@ -150,11 +151,14 @@ class LayerHost:
                                 key[1], key[0], now - session.used)
 
     def _sweep(self) -> None:
-        """Remove the checkpoints of sessions unused for ``checkpoint_ttl`` (and not live)."""
+        """Remove the folders of sessions unused for ``checkpoint_ttl`` (and not live), once a minute at most."""
+        if time.monotonic() - self._swept < min(60.0, self.settings.quotas.checkpoint_ttl / 2):
+            return
+        self._swept = time.monotonic()
         live = {s.folder for s in self.sessions.values()}
         idle = [f for f in self.root.glob("*/*") if f not in live] if self.root.is_dir() else []
-        for folder in remove_idle_checkpoints(idle, self.settings.quotas.checkpoint_ttl):
-            logger.info("session %s of %s unused for over %.0f s: its checkpoints were removed", folder.name,
+        for folder in remove_idle_sessions(idle, self.settings.quotas.checkpoint_ttl):
+            logger.info("session %s of %s unused for over %.0f s: its folder was removed", folder.name,
                         folder.parent.name, self.settings.quotas.checkpoint_ttl)
 
     def start(self, start: layers.LayerStart, owner: str) -> layers.LayerInfo:
@@ -171,7 +175,7 @@ class LayerHost:
             folder = private_dir(self.quota.folder(owner) / start.session)
             session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows,
                                    max_activations=self.settings.max_activations,
-                                   quota=lambda nbytes: self.quota.check(owner, nbytes))
+                                   quota=lambda nbytes: self.quota.reserve(owner, nbytes))
             with self._lock:
                 self.sessions[key] = session
         logger.info("%s session %s for %s: %s, %d parameters%s", start.kind, start.session, owner,

@@ -72,18 +72,19 @@ async def get_blinded(session_id: str, index: int, who: PeerIdentity = Depends(r
     return _octets(await run_in_threadpool(responder.blinded_chunk, index, WAIT_SECONDS))
 
 
-@psi_routes.post(psi.COMMIT, response_model=control.AlignmentInfo)
+@psi_routes.post(psi.COMMIT, response_model=control.AlignmentInfo, response_model_exclude_none=True)
 async def commit(
     session_id: str,
     request: Request,
     alignment_id: str = Header(alias=psi.ALIGNMENT_HEADER),
     purpose: str = Header("training", alias=psi.PURPOSE_HEADER),
+    log_head: str | None = Header(None, alias=psi.LOG_HEAD_HEADER, pattern=psi.LOG_HEAD),
     who: PeerIdentity = Depends(require_role("bank")),
     c: PartnerCore = Depends(core),
 ) -> control.AlignmentInfo:
     c.psi.session(who.name, session_id)
     positions = psi.decode_positions(await read_body(request, c.settings.max_body_bytes))
-    return await run_in_threadpool(c.psi.commit, who.name, session_id, alignment_id, positions, purpose)
+    return await run_in_threadpool(c.psi.commit, who.name, session_id, alignment_id, positions, purpose, log_head)
 
 
 @psi_routes.delete(psi.SESSION, status_code=204)

@@ -62,9 +62,9 @@ class _Meeting:
     def __init__(self, peer: HttpPartner, barrier: threading.Barrier) -> None:
         self._peer, self._barrier = peer, barrier
 
-    def open(self, own_count: int, chunk_items: int, id_type: str = "text"):
+    def open(self, own_count: int, chunk_items: int, id_type: str = "text", log_head: str | None = None):
         self._barrier.wait()  # sequential alignment never gets past this: the next partner has not started
-        return self._peer.open(own_count, chunk_items, id_type)
+        return self._peer.open(own_count, chunk_items, id_type, log_head)
 
     def __getattr__(self, attr: str):
         return getattr(self._peer, attr)

@@ -141,7 +141,7 @@ def test_the_bank_reads_no_more_than_was_agreed(pki: Path, count, chunk_items, b
 
 
 def test_budgets_stop_a_probing_bank_before_any_blinding(pki: Path, partition, start_partner) -> None:
-    limits = PsiLimits(peer_max_ids={"*": 100}, sessions_per_hour=2)
+    limits = PsiLimits(peer_max_ids={"*": 100}, sessions_per_hour=3)  # the refused ask counts too
     partner = start_partner(partition["partner1"], psi_limits=limits)
     with make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank")) as client:
         peer = HttpPartner("partner", partner.url, client)
@@ -150,7 +150,8 @@ def test_budgets_stop_a_probing_bank_before_any_blinding(pki: Path, partition, s
         first, second = peer.open(2, 64), peer.open(2, 64)
         for info in (first, second):
             peer.abort(info.session_id)  # aborted sessions count too: reopening at once is no way around it
-        with pytest.raises(OverBudget, match="opened 2 PSI sessions in the last hour; the limit is 2"):
+        with pytest.raises(OverBudget, match="asked for 3 PSI sessions in the last hour \\(refused ones count\\); "
+                                             "the limit is 3"):
             peer.open(2, 64)
     # Another bank has its own budget.
     with make_client(TLSFiles.from_dir(pki, "bank2"), caller=PeerIdentity("bank2", "bank")) as client:

@@ -21,14 +21,17 @@ import pytest
 import torch
 
 from alignment import curve
+from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
 from alignment.psi import run_initiator
+from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
 from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
 from parties.errors import OverBudget, PeerError, QuotaExceeded, UnknownSession
 from parties.protocol.control import AlignmentRequest
 from parties.settings import BankQuotas, PsiLimits
-from parties.storage.session_log import verify_log
+from parties.storage.session_log import RESERVED, SessionLog, verify_log
+from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles
 
@@ -87,7 +90,8 @@ def test_a_partner_claiming_every_possible_id_learns_none_of_the_banks_customers
     bank = start_bank(files("bank", bank_ids, label=True), {"partner": partner.url})
     with _operator(pki, bank) as op, pytest.raises(JobFailed) as refused:
         op.wait(op.start_alignment())
-    assert "matched 600 of the bank's 600 customers (100.0%), more than the 95% allowed" in str(refused.value)
+    assert "would have matched 600 of the 600 bank customers sent to it (100.0%), more than the 95% allowed" in str(
+        refused.value)
     assert "nothing was committed" in str(refused.value)
     # The partner learns which of its IDs are the bank's only from a commit: there was none.
     core = partner.app.state.core
@@ -117,6 +121,102 @@ def test_a_partner_announcing_more_ids_than_agreed_is_refused_before_anything_is
     records = verify_log(partner.app.state.core.settings.state_path / "psi-sessions.log")
     assert [r["event"] for r in records] == ["opened", "aborted"]
     assert records[1]["received"] == 0  # not one of the bank's blinded IDs reached the partner
+
+
+def test_claims_spread_over_sessions_add_up(pki, files, start_partner, pool, tmp_path) -> None:
+    """The second review's partner claimed 90% of the space at the training alignment (accepted) and the whole space
+    at the next session: per session it stayed under the bound and learned every bank customer."""
+    rng = np.random.default_rng(4)
+    table = load_party_table(files("bank", rng.choice(1000, size=600, replace=False), label=True), "customer_id", "y")
+    most = start_partner(files("most", rng.choice(1000, size=900, replace=False)), name="partner")
+    every = start_partner(files("every", np.arange(1000)), name="partner", state_dir=tmp_path / "every")
+    told = Exposure()
+    with _client(pki, "bank") as client:
+        first, _ = align_with_partners(table, {"partner": HttpPartner("partner", most.url, client)}, pool,
+                                       exposure=told)
+        assert 0.85 < len(first) / 600 < 0.95  # the first claim is within the bound
+        with pytest.raises(OverlapTooHigh, match=r"would have matched 600 of the 600 bank customers sent to it "
+                                                 r"\(100.0%\) \(\d+ of 600 in earlier sessions\)"):
+            align_with_partners(table, {"partner": HttpPartner("partner", every.url, client)}, pool, exposure=told)
+    assert every.app.state.core.alignment_of("bank") is None  # nothing committed: it learned nothing more
+    assert told.totals("partner") == (600, len(first))
+
+
+def test_over_the_partnership_a_partner_learns_at_most_the_ceiling_less_its_share() -> None:
+    """Small scoring batches, each all claimed, pass a per-batch test; the running totals stop them."""
+    rng = np.random.default_rng(5)
+    told, ceiling = Exposure(), 0.95
+    portfolio = customer_keys([f"c{i}".encode() for i in range(1000)])
+    held = rng.random(1000) < 0.9  # the partner's honest share of the portfolio
+    told.check("p", portfolio, portfolio[held], ceiling)
+    told.add("p", portfolio, portfolio[held])
+    learned_beyond = 0
+    for batch in range(100):  # new applicants, 20 at a time, each claimed whatever the partner holds
+        keys = customer_keys([f"new{batch}-{i}".encode() for i in range(20)])
+        try:
+            told.check("p", keys, keys, ceiling)
+        except OverlapTooHigh:
+            break
+        told.add("p", keys, keys)
+        learned_beyond += int(np.sum(rng.random(20) >= 0.9))  # of those, about 10% it does not hold
+    else:
+        pytest.fail("every batch passed: the claims were never added up")
+    sent, matched = told.totals("p")
+    chance = 4 * np.sqrt(sent * ceiling * (1 - ceiling))  # the test's slack: a binomial tail of 1e-3 and less
+    assert batch < 100 and matched <= ceiling * sent + chance
+    assert learned_beyond <= (ceiling - held.mean()) * sent + chance
+
+
+def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, files, start_partner, start_bank,
+                                                                       tmp_path) -> None:
+    partner = start_partner(files("partner", np.arange(50, 550)), name="partner")
+    bank = start_bank(files("bank", np.arange(100, 600), label=True), {"partner": partner.url})
+    with _operator(pki, bank) as op:
+        op.wait(op.start_alignment())
+    partner_log = partner.app.state.core.settings.state_path / "psi-sessions.log"
+    bank_log = bank.app.state.core.settings.state_path / "psi-sessions.log"
+    partner.stop()
+    bank.stop()
+    kept = [r["peer_head"] for r in verify_log(bank_log) if r.get("peer_head")]
+    assert len(kept) == 2 and set(kept) <= {r["hash"] for r in verify_log(partner_log)}  # at open and at commit
+    assert any(r.get("peer_head") for r in verify_log(partner_log) if r["event"] == "committed")
+
+    def verify(log: Path, against: Path, peer: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "parties", "verify-log", str(log), "--against", str(against),
+                               "--peer", peer], capture_output=True, text=True, timeout=60)
+
+    assert verify(bank_log, partner_log, "partner").returncode == 0
+    assert verify(partner_log, bank_log, "bank").returncode == 0
+    # The partner rewrites its own log (the bank "brought" more), its chain recomputed so that it verifies alone.
+    records = verify_log(partner_log)
+    records[0]["declared"] = 10_000_000
+    forged = tmp_path / "forged.log"
+    with SessionLog(forged) as log:
+        for r in records:
+            log.append(r["event"], **{k: v for k, v in r.items() if k not in RESERVED})
+    assert subprocess.run([sys.executable, "-m", "parties", "verify-log", str(forged)],
+                          capture_output=True, timeout=60).returncode == 0
+    refused = verify(bank_log, forged, "partner")
+    assert refused.returncode == 2 and "rewrote or cut its log" in refused.stderr
+
+
+def test_refusals_count_against_the_hour_and_are_not_written_without_end(pki, files, start_partner,
+                                                                          tmp_path) -> None:
+    """The review flooded a partner with 5,000 over-size opens: each answered, and each fsynced to its log."""
+    state = tmp_path / "partner-state"
+    partner = start_partner(files("partner", np.arange(400)), name="partner", state_dir=state,
+                            psi_limits=PsiLimits(sessions_per_hour=5))
+    with _client(pki, "bank2") as client:
+        peer = HttpPartner("partner", partner.url, client)
+        for _ in range(40):
+            with pytest.raises(OverBudget, match="announced 100,000 IDs"):
+                peer.open(100_000, 1024, "integer")
+        with pytest.raises(OverBudget, match="asked for 40 PSI sessions in the last hour \\(refused ones count\\)"):
+            peer.open(10, 1024, "integer")  # a valid session now waits for the hour
+    partner.stop()
+    records = verify_log(state / "psi-sessions.log")
+    assert [r["event"] for r in records] == ["refused"] * 6
+    assert sum(int(r.get("count", 1)) for r in records) == 41  # 5 written one by one, 36 counted in one
 
 
 # --- enumeration: a bank probing with guessed IDs -------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from parties.errors import BadMessage, QuotaExceeded, StorageError
-from parties.storage.quota import DiskQuota
+from parties.storage.quota import FOLDER_BYTES, DiskQuota
 
 MB = 1 << 20
 
@@ -35,7 +35,9 @@ def test_used_counts_nested_files_and_not_links(tmp_path: Path) -> None:
     os.link(model, folder / "sessions" / "model-again.safetensors")  # one file, two names
     _file(tmp_path / "banks" / "other" / "model.safetensors", 5 * MB)  # another bank's
 
-    assert quota.used("evil") == 1230
+    # Files once each, links not followed, and each folder inside a block (sessions, s1, meta): a bank that
+    # makes folders without end pays for them.
+    assert quota.used("evil") == 1230 + 3 * FOLDER_BYTES
     assert quota.used("other") == 5 * MB
 
 
@@ -43,7 +45,7 @@ def test_used_counts_nested_files_and_not_links(tmp_path: Path) -> None:
 def test_check_passes_at_the_limit_and_refuses_one_byte_more(tmp_path: Path, flag: str) -> None:
     quota = DiskQuota(tmp_path, 4 * MB, party="partner 'telco'", flag=flag)
     _file(tmp_path / "evil" / "model.safetensors", 3 * MB)
-    _file(tmp_path / "evil" / "runs" / "a" / "step-1.safetensors", MB // 2)
+    _file(tmp_path / "evil" / "runs" / "a" / "step-1.safetensors", MB // 2 - 2 * FOLDER_BYTES)  # runs, a
 
     quota.check("evil", MB // 2)  # exactly at the quota: allowed
     with pytest.raises(QuotaExceeded) as refused:
@@ -79,3 +81,16 @@ def test_a_bank_name_that_is_no_folder_name_is_refused(tmp_path: Path, bank: str
 @pytest.mark.parametrize("bank", ["b", "bank-2", "Bank_2.eu", "x" * 64], ids=["one-letter", "dash", "mixed", "64"])
 def test_a_bank_name_makes_its_folder_under_the_root(tmp_path: Path, bank: str) -> None:
     assert DiskQuota(tmp_path, MB, party="partner 'telco'").folder(bank) == tmp_path / bank
+
+
+def test_a_write_under_way_holds_its_bytes_so_two_at_once_cannot_both_pass(tmp_path: Path) -> None:
+    """Two checkpoints of one bank at once: each passes a check only the two together fail, unless reserved."""
+    quota = DiskQuota(tmp_path, 3 * MB, party="compute 'c'")
+    with quota.reserve("evil", 2 * MB):
+        with pytest.raises(QuotaExceeded, match="keeps 2.0 MB"):
+            quota.check("evil", 2 * MB)
+        quota.check("other", 2 * MB)  # another bank's writes hold none of this bank's quota
+    quota.check("evil", 2 * MB)  # released once written (or failed)
+    with pytest.raises(RuntimeError), quota.reserve("evil", 2 * MB):
+        raise RuntimeError("the write failed")
+    quota.check("evil", 3 * MB)

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +90,8 @@ class LayerSession:
 
     def __init__(self, start: LayerStart, owner: str, folder: Path | None, features: torch.Tensor | None = None,
                  *, max_rows: int = 1 << 16, max_activations: int | None = None,
-                 quota: Callable[[int], None] | None = None) -> None:
-        """``quota(nbytes)``: raises ``StorageError`` if ``owner`` may not write a checkpoint of ``nbytes``."""
+                 quota: Callable[[int], AbstractContextManager[object]] | None = None) -> None:
+        """``quota(nbytes)``: holds ``nbytes`` of ``owner``'s disk quota for a checkpoint, or raises ``StorageError``."""
         self.start, self.owner, self.folder, self.quota = start, owner, folder, quota
         self.used = time.monotonic()  # the last call that named this session (``LayerHost`` expires idle ones)
         self.kind = start.kind
@@ -312,10 +313,10 @@ class LayerSession:
             tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
             optim, meta = flatten_optimizer(self.optimizer, "optim")
             tensors.update(optim)
-            if self.quota is not None:
-                self.quota(sum(t.numel() * t.element_size() for t in tensors.values()))
-            write_checkpoint(self.folder, step, tensors, {"optimizer": meta, "step": step, "layout": self._layout()},
-                             keep=None)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            with self.quota(nbytes) if self.quota is not None else nullcontext():
+                write_checkpoint(self.folder, step, tensors,
+                                 {"optimizer": meta, "step": step, "layout": self._layout()}, keep=None)
 
     def _layout(self) -> dict[str, object]:
         """What a checkpoint's state fits: the model's shape and its optimizer (not the seed: only a start uses it)."""

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -126,9 +127,9 @@ class PartySession:
         logger.info("training session %s restored from its checkpoint at step %d", self.session_id, step)
         return self
 
-    def save(self, directory: Path, quota: Callable[[int], None] | None = None) -> dict[str, str]:
-        """Write this party's own model files; return ``{file name: sha256}``. ``quota(nbytes)`` raises
-        ``StorageError`` if they may not be written."""
+    def save(self, directory: Path, quota: Callable[[int], AbstractContextManager[object]] | None = None) -> dict[str, str]:
+        """Write this party's own model files; return ``{file name: sha256}``. ``quota(nbytes)`` holds their
+        bytes of the owner's disk quota while they are written, or raises ``StorageError``."""
         blobs = {
             "bottom.safetensors": save_tensors(
                 {k: v.contiguous() for k, v in self.trainer.model.state_dict().items()},
@@ -139,12 +140,11 @@ class PartySession:
         }
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
         listing = (json.dumps(digests, indent=2) + "\n").encode()
-        if quota is not None:
-            quota(sum(map(len, blobs.values())) + len(listing))
         try:
-            for name, data in blobs.items():
-                atomic_write_bytes(Path(directory) / name, data)
-            atomic_write_bytes(Path(directory) / "files.json", listing)
+            with quota(sum(map(len, blobs.values())) + len(listing)) if quota is not None else nullcontext():
+                for name, data in blobs.items():
+                    atomic_write_bytes(Path(directory) / name, data)
+                atomic_write_bytes(Path(directory) / "files.json", listing)
         except OSError as exc:
             raise StorageError(f"could not write the model files to {directory}: {exc.strerror or exc}") from exc
         return digests

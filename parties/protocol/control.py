@@ -71,6 +71,7 @@ class AlignmentInfo(Message):
     alignment_id: str
     rows: int
     bank: str | None = Field(None, description="the bank it is with (a partner's operator's listing only)")
+    log_head: str | None = Field(None, description="a partner's session-log chain head after it logged the commit")
     pairwise: dict[str, int] = Field(default_factory=dict)
     bank_customers: int | None = Field(None, description="the bank's customers (the bank's answer only)")
     shares: dict[str, float] = Field(default_factory=dict, description="per partner, the share of the bank's "

@@ -22,6 +22,8 @@ from parties.tables.ids import IdType
 __all__ = [
     "ALIGNMENT_HEADER",
     "BLINDED",
+    "LOG_HEAD",
+    "LOG_HEAD_HEADER",
     "COMMIT",
     "MAX_CHUNK_ITEMS",
     "MAX_IDS",
@@ -47,6 +49,9 @@ MAX_CHUNK_ITEMS = 1 << 18
 ALIGNMENT_HEADER = "x-cutlayer-alignment"
 #: What a committed PSI result is for: the training alignment, or a batch of customers to score.
 PURPOSE_HEADER = "x-cutlayer-purpose"
+#: The sender's session-log chain head (``parties.storage.session_log``), which the receiver keeps in its own log.
+LOG_HEAD_HEADER = "x-cutlayer-log-head"
+LOG_HEAD = r"^[0-9a-f]{64}$"
 
 SESSIONS = "/psi/sessions"
 SESSION = "/psi/sessions/{session_id}"
@@ -57,9 +62,11 @@ COMMIT = "/psi/sessions/{session_id}/commit"
 
 class PsiOpenRequest(Message):
     version: int = Field(PROTOCOL_VERSION, description="the PSI protocol version")
-    count: int = Field(ge=0, le=MAX_IDS, description="IDs the initiator will send")
+    count: int = Field(ge=1, le=MAX_IDS, description="IDs the initiator will send (a session of none would only "
+                       "make the responder blind its set)")
     chunk_items: int = Field(ge=1, le=MAX_CHUNK_ITEMS)
     id_type: IdType = Field("text", description="how the initiator's IDs were canonicalised (parties.tables.ids)")
+    log_head: str | None = Field(None, pattern=LOG_HEAD, description="the initiator's session-log chain head")
 
 
 class PsiOpenResponse(Message):
@@ -67,6 +74,8 @@ class PsiOpenResponse(Message):
     count: int = Field(ge=0)
     chunk_items: int = Field(ge=1)
     id_type: IdType = "text"
+    log_head: str | None = Field(None, pattern=LOG_HEAD, description="the responder's chain head, after it "
+                                 "logged this session")
 
 
 def encode_positions(positions: np.ndarray) -> bytes:

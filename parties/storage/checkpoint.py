@@ -24,10 +24,12 @@ import errno
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +126,9 @@ class CheckpointWriter:
     to, after a restore): what the party reports to the bank for retention.
     """
 
-    def __init__(self, keep: int | None = None, quota: Callable[[int], None] | None = None) -> None:
-        """``quota(nbytes)``: raises ``StorageError`` if the owner may not write ``nbytes`` more (checked per write)."""
+    def __init__(self, keep: int | None = None,
+                 quota: Callable[[int], AbstractContextManager[object]] | None = None) -> None:
+        """``quota(nbytes)``: holds ``nbytes`` of the owner's disk quota for a write, or raises ``StorageError``."""
         self.keep, self.quota = keep, quota
         self.durable: int | None = None
         self.failure: StorageError | None = None
@@ -148,9 +151,9 @@ class CheckpointWriter:
     def _write(self, folder: Path, step: int, tensors: dict[str, torch.Tensor], meta_json: str,
                floor: int | None) -> Path:
         try:
-            if self.quota is not None:
-                self.quota(sum(t.numel() * t.element_size() for t in tensors.values()) + len(meta_json))
-            path = _write(folder, step, tensors, meta_json, self.keep, floor)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(meta_json)
+            with self.quota(nbytes) if self.quota is not None else nullcontext():
+                path = _write(folder, step, tensors, meta_json, self.keep, floor)
         except StorageError as exc:  # over the owner's quota: nothing was written
             self.failure = exc
             logger.error("checkpoint of step %d not written: %s", step, exc)
@@ -212,17 +215,18 @@ def remove_checkpoints(folder: Path) -> None:
         (Path(folder) / f"step-{step}.safetensors").unlink(missing_ok=True)
 
 
-def remove_idle_checkpoints(folders: Iterable[Path], ttl: float, now: float | None = None) -> list[Path]:
-    """Remove the checkpoints of each of ``folders`` whose newest file is over ``ttl`` seconds old; return those
-    folders (each stays, empty: a session's ID is not reused). For sessions no bank has used for that long."""
+def remove_idle_sessions(folders: Iterable[Path], ttl: float, now: float | None = None) -> list[Path]:
+    """Remove each of ``folders`` (a session's: its checkpoints, or the mark that it ended) whose newest entry
+    is over ``ttl`` seconds old; return those removed. For sessions no bank has used for that long."""
     now = time.time() if now is None else now
     removed = []
     for folder in folders:
-        if not checkpoint_steps(folder):
+        try:
+            newest = max([folder.stat().st_mtime, *(p.stat().st_mtime for p in Path(folder).iterdir())])
+        except FileNotFoundError:
             continue
-        newest = max((p.stat().st_mtime for p in Path(folder).iterdir()), default=0.0)
         if now - newest > ttl:
-            remove_checkpoints(folder)
+            shutil.rmtree(folder, ignore_errors=True)
             removed.append(Path(folder))
     return removed
 

@@ -67,12 +67,12 @@ class SessionLog:
     """Append-only JSON lines; each record carries the SHA-256 of the one before (``prev``) and its own (``hash``).
 
     Opening reads and verifies the file if it exists (``LogTampered`` on damage) and drops a torn last line;
-    nothing is created until the first ``append``. The records stay in memory too: a party reads its PSI
-    budgets from them.
+    nothing is created until the first ``append``. The records of the last ``keep_seconds`` stay in memory
+    too (a party reads its PSI budgets from them); older ones are read from the file when asked for.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path, keep_seconds: float = 86400.0) -> None:
+        self.path, self.keep_seconds = Path(path), keep_seconds
         self._lock = threading.Lock()
         self._file: BinaryIO | None = None
         self._broken: str | None = None
@@ -83,7 +83,16 @@ class SessionLog:
             _log.warning("%s: dropped the torn line %d (%d bytes, a write cut short by a crash)",
                          self.path, len(records) + 1, len(data) - self._size)
             _truncate(self.path, self._size)
-        self._records: list[dict[str, object]] = list(records)
+        self._seq = len(records)
+        self._head = str(records[-1]["hash"]) if records else GENESIS
+        cutoff = time.time() - keep_seconds
+        self._recent: list[dict[str, object]] = [r for r in records if r["unix"] >= cutoff]  # type: ignore[operator]
+
+    @property
+    def head(self) -> str:
+        """The hash of the last record (``GENESIS`` before the first): what a peer keeps to anchor this chain."""
+        with self._lock:
+            return self._head
 
     def append(self, event: str, /, **fields: _Value) -> dict[str, object]:
         """Write one record (flushed and fsynced before returning) and return it, ``hash`` included."""
@@ -95,20 +104,27 @@ class SessionLog:
                 raise StorageError(self._broken)
             unix = time.time()
             record: dict[str, object] = {
-                "seq": len(self._records), "time": _iso(unix), "unix": unix, "event": event, **fields,
-                "prev": self._records[-1]["hash"] if self._records else GENESIS,
+                "seq": self._seq, "time": _iso(unix), "unix": unix, "event": event, **fields, "prev": self._head,
             }
             record["hash"] = _digest(record)
             line = (json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
             self._write(line)
-            self._records.append(record)
+            self._seq, self._head = self._seq + 1, str(record["hash"])
             self._size += len(line)
+            self._recent.append(record)
+            cutoff = unix - self.keep_seconds
+            if self._recent[0]["unix"] < cutoff:  # type: ignore[operator]
+                self._recent = [r for r in self._recent if r["unix"] >= cutoff]  # type: ignore[operator]
             return dict(record)
 
     def records(self, since: float | None = None) -> list[dict[str, object]]:
-        """Copies of the records, all of them or those whose ``unix`` is at or after ``since``."""
+        """Copies of the records, all of them or those whose ``unix`` is at or after ``since`` (from memory
+        when ``since`` lies within ``keep_seconds``, else read and verified from the file)."""
         with self._lock:
-            return [dict(r) for r in self._records if since is None or r["unix"] >= since]  # type: ignore[operator]
+            if since is not None and since >= time.time() - self.keep_seconds:
+                return [dict(r) for r in self._recent if r["unix"] >= since]  # type: ignore[operator]
+            records = _read(self.path, _load(self.path))[0] if self.path.exists() else []
+            return [dict(r) for r in records if since is None or r["unix"] >= since]  # type: ignore[operator]
 
     def close(self) -> None:
         with self._lock:
