@@ -31,7 +31,7 @@ from pathlib import Path
 
 from alignment.psi import SessionInfo
 from parties.errors import AlignmentError, OverBudget
-from parties.settings import PsiLimits
+from parties.limits import PsiLimits
 from parties.storage.session_log import SessionLog
 
 __all__ = ["DAY", "HOUR", "InitiatedSession", "Partnership"]

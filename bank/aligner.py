@@ -40,7 +40,7 @@ from alignment.exposure import Exposure, customer_keys
 from alignment.partnership import Partnership
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
 from parties.errors import ConfigError, CutlayerError
-from parties.settings import DEFAULT_MAX_OVERLAP, PsiLimits
+from parties.limits import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import AlignedRows, PartyTable
 from parties.transport.jobs import Progress
 

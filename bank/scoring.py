@@ -40,7 +40,7 @@ from parties.errors import CutlayerError, DataError, IntersectionTooSmall
 from parties.learning.trained_bottom import ScoringBottom, verify_files
 from parties.tables.drift import Drift, judge_drift
 from parties.tables.encoding import Fallbacks, merge_fallbacks
-from parties.settings import DEFAULT_MAX_OVERLAP, PsiLimits
+from parties.limits import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import PartyTable
 from parties.transport.jobs import Progress
 

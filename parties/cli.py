@@ -159,7 +159,7 @@ def _add_transport_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_psi_limit_arguments(parser: argparse.ArgumentParser, peers: str) -> None:
     """What a peer's PSI sessions may cost (``parties.settings.PsiLimits``); ``peers``: "bank" or "partner"."""
-    from parties.settings import PsiLimits as L
+    from parties.limits import PsiLimits as L
 
     g = parser.add_argument_group(f"what each {peers}'s PSI sessions may bring (README: security model)")
     g.add_argument("--peer-max-ids", action="append", default=None, metavar=f"[{peers.upper()}=]N",
@@ -193,7 +193,7 @@ def psi_limit_values(args: argparse.Namespace) -> dict[str, object] | None:
 
 def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
     """What one bank may keep at a party that serves several (``parties.settings.BankQuotas``)."""
-    from parties.settings import BankQuotas as Q
+    from parties.limits import BankQuotas as Q
 
     g = parser.add_argument_group("what each bank may keep here")
     g.add_argument("--disk-quota-per-bank", type=_size, default=None, metavar="SIZE",

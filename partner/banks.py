@@ -25,7 +25,7 @@ from alignment.psi import PsiResponder
 from parties.errors import BadMessage
 from parties.learning.trained_bottom import ScoringBottom
 from parties.learning.training_session import PartySession
-from parties.settings import BankQuotas
+from parties.limits import BankQuotas
 from parties.storage.checkpoint import remove_idle_sessions
 from parties.storage.layout import bank_folder, banks_root, model_folder, training_folder
 from parties.storage.quota import DiskQuota

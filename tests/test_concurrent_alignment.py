@@ -14,7 +14,8 @@ from bank.aligner import align_with_partners
 from bank.http_partner import HttpPartner
 from bank.lab.scale_bench import write_synthetic_parties
 from parties.errors import PeerError
-from parties.settings import PartnerSettings, PsiLimits
+from parties.limits import PsiLimits
+from parties.settings import PartnerSettings
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread

@@ -19,7 +19,7 @@ from bank.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.errors import OverBudget, PeerError, UnknownSession
 from parties.protocol import psi as psi_routes
-from parties.settings import PsiLimits
+from parties.limits import PsiLimits
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread

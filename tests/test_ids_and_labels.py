@@ -17,7 +17,7 @@ from bank.operator import BankOperator, JobFailed
 from bank.task import Task
 from parties.errors import DataError
 from parties.protocol.control import AlignmentRequest
-from parties.settings import PsiLimits
+from parties.limits import PsiLimits
 from parties.tables.ids import canonical_ids, id_formats, infer_id_type
 from parties.tables.table import load_party_table
 from parties.transport.tls import TLSFiles

@@ -33,7 +33,8 @@ from parties.protocol import layers
 from parties.protocol.common import fill
 from parties.protocol.layers import LayerStart
 from parties.protocol.wire import SAFETENSORS, encode
-from parties.settings import BankQuotas, BranchSettings, ComputeSettings
+from parties.limits import BankQuotas
+from parties.settings import BranchSettings, ComputeSettings
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
 from parties.transport.client import make_client

@@ -29,7 +29,7 @@ from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
 from parties.errors import OverBudget, PeerError, QuotaExceeded, UnknownSession
 from parties.protocol.control import AlignmentRequest
-from parties.settings import BankQuotas, PsiLimits
+from parties.limits import BankQuotas, PsiLimits
 from parties.storage.session_log import RESERVED, SessionLog, verify_log
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
