@@ -3,13 +3,17 @@
 A partner learns which of the IDs it claimed are the bank's customers when the bank commits. One that
 claims IDs it does not hold matches more of the bank's customers than it honestly could; the bank refuses,
 before committing anything, a session after which the partner would have matched more than a share
-``ceiling`` of all the bank's customers ever sent to it (one-sided binomial test at ``CHANCE``: a small
-batch all held by an honest partner passes, 240 of 240 does not). The totals run over every session,
-training and scoring alike: claims spread over several sessions, or over many small batches, add up.
+``ceiling`` of the customers sent in that session that it had not matched before, or of all the bank's
+customers ever sent to it (one-sided
+binomial tests at ``CHANCE``: a small batch all held by an honest partner passes, 240 of 240 does not). The
+totals run over every session, training and scoring alike: claims spread over several sessions, or over
+many small batches, add up.
 
-What this bounds: a partner holding a share ``s`` of the bank's customers can be told at most about
-``ceiling - s`` of them beyond those it holds, over the partnership. The operator brings the ceiling close to
-the honest share with ``--expect-overlap`` (ceiling = expected + 0.05) or ``--max-overlap``.
+What this bounds: a partner can be told about ``ceiling`` of any group of customers the bank sends it,
+whatever share of them it truly holds (and a little more, by chance, on small groups); over the partnership,
+about ``ceiling - s`` of them beyond its own, for a partner holding a share ``s``. The ceiling is the
+operator's: ``--expect-overlap`` (expected + 0.05) or ``--max-overlap``; without either, the share the partner
+matched at its first alignment + 0.05 (``bank.core``), and 0.95 for that first alignment.
 
 Customers are kept as 16-byte digests of their canonical IDs, per partner, in ``<state>/exposure/``.
 """
@@ -38,6 +42,15 @@ class OverlapTooHigh(AlignmentError):
     """A partner matched more of the bank's customers than the bank's operator allows: nothing was committed."""
 
 
+def _beyond(matched: int, sent: int, ceiling: float) -> bool:
+    """Whether ``matched`` of ``sent`` is more than ``ceiling`` beyond chance (one-sided binomial, ``CHANCE``)."""
+    if not sent or matched / sent <= ceiling:
+        return False
+    from scipy.stats import binom  # scikit-learn's dependency; only when a share is over the limit
+
+    return bool(binom.sf(matched - 1, sent, ceiling) < CHANCE)
+
+
 def customer_keys(normalized_ids: Sequence[bytes]) -> np.ndarray:
     """A 16-byte digest of each canonical ID, row by row: how the ledger names customers."""
     return np.array([hashlib.sha256(i).digest()[:16] for i in normalized_ids], dtype=_KEY)
@@ -58,37 +71,39 @@ class Exposure:
         sent, matched = self._load(partner)
         return len(sent), len(matched)
 
-    def check(self, partner: str, sent: np.ndarray, matched: np.ndarray, ceiling: float) -> None:
-        """Refuse (``OverlapTooHigh``) a session sending ``sent`` customers of which ``partner`` matched
-        ``matched`` (both from ``customer_keys``), if afterwards it would have matched too many of all."""
-        before_sent, before_matched = self._load(partner)
-        total_sent = len(np.union1d(before_sent, sent))
-        total_matched = len(np.union1d(before_matched, matched))
-        if not total_sent or total_matched / total_sent <= ceiling:
-            return
-        from scipy.stats import binom  # scikit-learn's dependency; only when a share is over the limit
+    def claim(self, partner: str, sent: np.ndarray, matched: np.ndarray, ceiling: float) -> tuple[int, int]:
+        """Count a session sending ``sent`` customers of which ``partner`` matched ``matched`` (both from
+        ``customer_keys``), or refuse it (``OverlapTooHigh``) if the session alone, or the partnership with it,
+        has the partner matching more than ``ceiling`` beyond chance. Returns the totals after it.
 
-        if binom.sf(total_matched - 1, total_sent, ceiling) >= CHANCE:
-            return
-        earlier = (f" ({len(before_matched):,} of {len(before_sent):,} in earlier sessions)"
-                   if len(before_sent) else "")
-        raise OverlapTooHigh(
-            f"partner {partner!r} would have matched {total_matched:,} of the {total_sent:,} bank customers sent "
-            f"to it ({total_matched / total_sent:.1%}){earlier}, more than the {ceiling:.0%} allowed. A partner "
-            "that claims IDs it does not hold learns which of them are the bank's customers once the bank "
-            "commits; nothing was committed. If the partnership agreement says this partner holds that many, say "
-            "so: --expect-overlap SHARE (allows SHARE + 0.05) or --max-overlap SHARE")
-
-    def add(self, partner: str, sent: np.ndarray, matched: np.ndarray) -> None:
-        """Count a committed session (before it is committed: a crash between the two over-counts, never under)."""
+        Counted before anything is committed, under one lock with the check: a session that fails later is
+        over-counted (the safe side), and no two sessions are judged on totals that miss each other."""
         with self._lock:
             before_sent, before_matched = self._load(partner)
-            after = (np.union1d(before_sent, sent).astype(_KEY), np.union1d(before_matched, matched).astype(_KEY))
-            if self.folder is not None:
-                buffer = io.BytesIO()
-                np.savez(buffer, sent=after[0], matched=after[1])
-                atomic_write_bytes(self._path(partner), buffer.getvalue())
-            self._cache[partner] = after
+            sent_all, matched_all = np.union1d(before_sent, sent), np.union1d(before_matched, matched)
+            # The session alone, on what it tells anew: customers the partner had not matched before (scoring ones
+            # it was aligned with tells it nothing new, and is never refused for it).
+            fresh = (len(np.setdiff1d(matched, before_matched)), len(np.setdiff1d(sent, before_matched)))
+            over_all = (len(matched_all), len(sent_all), "over the partnership")
+            for n_matched, n_sent, what in ((*fresh, "in this session that it had not matched before"), over_all):
+                if _beyond(n_matched, n_sent, ceiling):
+                    earlier = (f" ({len(before_matched):,} of {len(before_sent):,} in earlier sessions)"
+                               if what == over_all[2] and len(before_sent) else "")
+                    raise OverlapTooHigh(
+                        f"partner {partner!r} would have matched {n_matched:,} of the {n_sent:,} bank customers sent "
+                        f"to it {what} ({n_matched / n_sent:.1%}){earlier}, more than the {ceiling:.0%} allowed. A "
+                        "partner that claims IDs it does not hold learns which of them are the bank's customers once "
+                        "the bank commits; nothing was committed. If the partnership agreement says this partner "
+                        "holds that many, say so: --expect-overlap SHARE (allows SHARE + 0.05) or --max-overlap SHARE")
+            self._save(partner, sent_all.astype(_KEY), matched_all.astype(_KEY))
+            return len(sent_all), len(matched_all)
+
+    def _save(self, partner: str, sent: np.ndarray, matched: np.ndarray) -> None:
+        if self.folder is not None:
+            buffer = io.BytesIO()
+            np.savez(buffer, sent=sent, matched=matched)
+            atomic_write_bytes(self._path(partner), buffer.getvalue())
+        self._cache[partner] = (sent, matched)
 
     def _load(self, partner: str) -> tuple[np.ndarray, np.ndarray]:
         if partner not in self._cache:

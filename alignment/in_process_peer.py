@@ -35,8 +35,7 @@ class LocalPsiPeer:
         except KeyError:
             raise UnknownSession(f"no PSI session {session_id}") from None
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
-             log_head: str | None = None) -> SessionInfo:
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
         check_id_types(self.id_type, id_type, "the responder", "the initiator")
         r = PsiResponder(self.own_points, own_count, self.pool, self.threads, chunk_items)
         self.sessions[r.session_id] = r

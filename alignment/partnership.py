@@ -63,17 +63,18 @@ class _Window:
 class Partnership:
     """One party's PSI limits towards its peers and its session log; thread-safe.
 
-    ``log`` ``None`` keeps nothing (the lab, and tests that play every party in one process): the limits
-    still hold for the life of the object.
+    ``log`` ``None``: a chain kept in memory (the lab, and tests that play every party in one process): the
+    limits hold, and heads are sent, for the life of the object.
     """
 
     def __init__(self, limits: PsiLimits, own_count: int, log: SessionLog | None = None, *,
                  clock: Callable[[], float] = time.time) -> None:
-        self.limits, self.own_count, self.log, self.clock = limits, own_count, log, clock
+        self.limits, self.own_count, self.clock = limits, own_count, clock
+        self.log = log if log is not None else SessionLog(None)
         self._windows: dict[str, _Window] = {}
         self._lock = threading.Lock()
         now = clock()
-        for r in log.records(since=now - DAY) if log is not None else []:
+        for r in self.log.records(since=now - DAY):
             peer, when = str(r.get("peer")), float(r["unix"])  # type: ignore[arg-type]
             window = self._windows.setdefault(peer, _Window())
             if r["event"] == "opened":
@@ -88,9 +89,9 @@ class Partnership:
         return cls(limits, own_count, SessionLog(path))
 
     @property
-    def head(self) -> str | None:
-        """This party's chain head, for its peer to keep (``None`` without a log)."""
-        return self.log.head if self.log is not None else None
+    def head(self) -> str:
+        """This party's chain head, for its peer to keep."""
+        return self.log.head
 
     def max_ids(self, peer: str) -> int:
         """The most IDs ``peer`` may bring to one session."""
@@ -101,9 +102,9 @@ class Partnership:
         return self.limits.peer_ids_per_day or DAY_MULTIPLE * max(self.own_count, 1)
 
     def admit(self, peer: str, declared: int, *, session: str, side: str, own: int | None = None,
-              peer_head: str | None = None) -> str | None:
+              peer_head: str | None = None) -> str:
         """Count a session of ``declared`` IDs from ``peer`` against its limits, or refuse it (``OverBudget``);
-        return this party's chain head after logging it.
+        return the hash of the record that logged it (the chain head), for the peer to keep.
 
         ``side``: who ``peer`` is to this party (``bank`` or ``partner``), for the messages; ``own``: the IDs
         this party brings (default: its whole set); ``peer_head``: the peer's chain head, if it sent one."""
@@ -144,11 +145,15 @@ class Partnership:
                     "too)")
         return None
 
-    def record(self, event: str, peer: str, **fields: Value) -> str | None:
+    def record(self, event: str, peer: str, **fields: Value) -> str:
         """How a session ended (``committed``, ``aborted``, ``expired``, ``refused``); returns the chain head."""
         with self._lock:
             self._write(peer, event, **fields)
             return self.head
+
+    def records(self) -> list[dict[str, object]]:
+        """Every record of the log, read and verified from its file."""
+        return self.log.records()
 
     def initiated(self, peer: str, purpose: str, own: int) -> InitiatedSession:
         """A session this party opens with ``peer`` bringing ``own`` IDs (the bank's side)."""
@@ -156,12 +161,11 @@ class Partnership:
 
     def _write(self, peer: str, event: str, **fields: Value) -> None:
         self._flush(peer)  # what was only counted goes in before anything newer
-        if self.log is not None:
-            self.log.append(event, peer=peer, **{k: v for k, v in fields.items() if v is not None})
+        self.log.append(event, peer=peer, **{k: v for k, v in fields.items() if v is not None})
 
     def _flush(self, peer: str) -> None:
         window = self._windows.setdefault(peer, _Window())
-        if window.unwritten and self.log is not None:
+        if window.unwritten:
             self.log.append("refused", peer=peer, count=window.unwritten,
                             reason=f"{window.unwritten} more refusals, over --psi-sessions-per-hour, counted here")
         window.unwritten = 0
@@ -170,8 +174,7 @@ class Partnership:
         with self._lock:
             for peer in self._windows:
                 self._flush(peer)
-        if self.log is not None:
-            self.log.close()
+        self.log.close()
 
 
 class InitiatedSession:
@@ -180,11 +183,12 @@ class InitiatedSession:
     def __init__(self, book: Partnership, peer: str, purpose: str, own: int) -> None:
         self.book, self.peer, self.purpose, self.own = book, peer, purpose, own
         self.session: str | None = None
+        self.head: str | None = None  # the hash of this side's record of the session's opening: sent at the commit
 
     def admit(self, info: SessionInfo) -> None:
         """``run_initiator``'s ``admit``: the peer's announced size against this party's limits."""
-        self.book.admit(self.peer, info.peer_count, session=info.session_id, side="partner", own=self.own,
-                        peer_head=info.log_head)
+        self.head = self.book.admit(self.peer, info.peer_count, session=info.session_id, side="partner", own=self.own,
+                                    peer_head=info.log_head)
         self.session = info.session_id
 
     def ended(self, event: str, **fields: Value) -> None:

@@ -176,22 +176,20 @@ class SessionInfo:
     peer_count: int
     chunk_items: int
     id_type: IdType = "text"
-    log_head: str | None = None  # the peer's session-log chain head, if it keeps one
+    log_head: str | None = None  # the hash of the peer's log record of this session's opening, if it keeps a log
 
 
 @dataclass(frozen=True)
 class Committed:
     rows: int  # the rows the peer kept
-    log_head: str | None = None  # its session-log chain head after it logged the commit
+    log_head: str | None = None  # the hash of its log record of the commit, if it keeps a log
 
 
 class PsiPeer(Protocol):
     """What the initiator needs from the other side, whatever the transport."""
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
-             log_head: str | None = None) -> SessionInfo:
-        """Open a session for ``own_count`` IDs canonicalised as ``id_type``; a peer of another type refuses.
-        ``log_head``: this side's session-log chain head, for the peer to keep."""
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+        """Open a session for ``own_count`` IDs canonicalised as ``id_type``; a peer of another type refuses."""
         ...
 
     def put_blinded(self, session_id: str, index: int, data: bytes) -> None: ...
@@ -208,7 +206,8 @@ class PsiPeer(Protocol):
 
     def commit(self, session_id: str, alignment_id: str, positions: np.ndarray, purpose: str = "training",
                log_head: str | None = None) -> Committed:
-        """Tell the peer which of its blinded set's positions to keep, in which order."""
+        """Tell the peer which of its blinded set's positions to keep, in which order; ``log_head``: the hash of this
+        side's log record of the session, for the peer to keep."""
         ...
 
 
@@ -325,13 +324,11 @@ def run_initiator(
     cancel: threading.Event | None = None,
     id_type: IdType = "text",
     admit: Callable[[SessionInfo], None] | None = None,
-    log_head: str | None = None,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
     ``admit(info)``: the party's own limits on what the peer announced (``alignment.partnership``), called
-    before anything is blinded; what it raises aborts the session. ``log_head``: this party's session-log
-    chain head, sent for the peer to keep.
+    before anything is blinded; what it raises aborts the session.
 
     ``id_type``: how ``own_points``' IDs were canonicalised; a peer whose IDs are of another type is
     refused (``IdTypeMismatch``): matched, the two would silently share fewer customers than they do.
@@ -342,7 +339,7 @@ def run_initiator(
     own_count = len(own_points) // curve.POINT_BYTES
     key = curve.generate_key()
     order = fresh_order(own_count)
-    info = peer.open(own_count, chunk_items, id_type, log_head)
+    info = peer.open(own_count, chunk_items, id_type)
     try:
         check_id_types(id_type, info.id_type, "the bank", "the partner")
         if info.chunk_items != chunk_items:

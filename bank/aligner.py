@@ -126,14 +126,15 @@ def align_with_partners(
     mode: AlignmentMode = "concurrent",
     partnership: Partnership | None = None,
     exposure: Exposure | None = None,
-    max_overlap: float = DEFAULT_MAX_OVERLAP,
+    max_overlap: float | Mapping[str, float] = DEFAULT_MAX_OVERLAP,
 ) -> tuple[AlignedRows, dict[str, int]]:
     """Run PSI with each partner, intersect across all, commit everywhere; return the bank's rows.
 
     ``partnership``: the bank's limits on what each partner may bring, and its session log; ``exposure``: what
     each partner has been told of the bank's customers so far (defaults: the default limits, in memory). A
-    partner that would have matched more than ``max_overlap`` of the bank's customers sent to it, over the
-    partnership, is refused before anything is committed (``alignment.exposure``).
+    partner that would have matched more than ``max_overlap`` (one share, or one per partner) of the bank's
+    customers sent to it, in the session or over the partnership, is refused before anything is committed
+    (``alignment.exposure``).
     A partner's failure stops the others' sessions (each is aborted at its partner) and is raised
     with the partner's name in its message.
     """
@@ -150,6 +151,7 @@ def align_with_partners(
     lock = threading.Lock()
 
     logged = {name: book.initiated(name, "training", len(table)) for name in partners}
+    totals: dict[str, tuple[int, int]] = {}  # per partner, (customers sent, matched) over the partnership
 
     def pairwise(name: str) -> tuple[str, PsiResult]:
         report = board.reporter(name)
@@ -158,12 +160,13 @@ def align_with_partners(
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
-                                               id_type=table.id_type, admit=logged[name].admit, log_head=book.head)
+                                               id_type=table.id_type, admit=logged[name].admit)
             with lock:
                 opened[name] = (session_id, result)
             report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
-            told.check(name, keys, keys[result.rows], max_overlap)
+            ceiling = max_overlap if isinstance(max_overlap, float) else max_overlap[name]
+            totals[name] = told.claim(name, keys, keys[result.rows], ceiling)
             return session_id, result
         except BaseException as exc:
             cancel.set()
@@ -192,12 +195,11 @@ def align_with_partners(
         counts = {name: len(result) for name, (_, result) in results.items()}
         say("committing the alignment")
         for name, (session_id, result) in results.items():
-            told.add(name, keys, keys[result.rows])
             committed = partners[name].commit(session_id, alignment.alignment_id,
-                                              _positions_in(result, rows, len(table)), log_head=book.head)
+                                              _positions_in(result, rows, len(table)), log_head=logged[name].head)
             del opened[name]
             logged[name].ended("committed", matched=len(result), result=len(rows), alignment=alignment.alignment_id,
-                               peer_head=committed.log_head)
+                               peer_head=committed.log_head, told_sent=totals[name][0], told_matched=totals[name][1])
     except BaseException as exc:
         for name, (session_id, _) in opened.items():
             try:

@@ -74,7 +74,7 @@ def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome:
 FAR_BELOW = 0.75
 #: A partner matching more than the share the operator expects plus this is refused (before any commit).
 ABOVE_EXPECTED = 0.05
-CEILINGS = "overlap-ceilings.json"  # per partner, the largest share the operator accepted at the last alignment
+CEILINGS = "overlap-ceilings.json"  # per partner, the largest share it may match (set by its alignments)
 
 
 def overlap_ceiling(max_overlap: float | None, expected: float | None, default: float) -> float:
@@ -98,6 +98,22 @@ def overlap_warnings(shares: dict[str, float], customers: int, expected: float |
             for name, share in shares.items() if share < FAR_BELOW * expected]
 
 
+def check_exposure(exposure: Exposure, records: list[dict[str, Any]]) -> None:
+    """Refuse to start on an exposure ledger that holds less than the session log says it held (deleted, or
+    restored from an older copy): a partner would be allowed to learn again what it was already told."""
+    logged: dict[str, tuple[int, int, int]] = {}
+    for r in records:
+        if r.get("event") == "committed" and "told_sent" in r:
+            logged[str(r["peer"])] = (int(r["told_sent"]), int(r["told_matched"]), int(r["seq"]))
+    for partner, (sent, matched, seq) in logged.items():
+        now_sent, now_matched = exposure.totals(partner)
+        if now_sent < sent or now_matched < matched:
+            raise DataError(
+                f"the exposure ledger of partner {partner!r} holds {exposure.totals(partner)} (customers sent, "
+                f"matched), fewer than the session log's record {seq} says it held, ({sent}, {matched}): it was deleted "
+                f"or rolled back. Restore {exposure.folder} from a backup: it bounds what {partner} may still be told")
+
+
 class BankCore:
     def __init__(self, settings: BankSettings, table: PartyTable) -> None:
         self.settings, self.table = settings, table
@@ -106,6 +122,7 @@ class BankCore:
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))
         self.exposure = Exposure(settings.state_path / "exposure")
+        check_exposure(self.exposure, self.partnership.records())
         ceilings = settings.state_path / CEILINGS
         self.ceilings: dict[str, float] = json.loads(ceilings.read_text()) if ceilings.exists() else {}
         self.pairwise: dict[str, int] = {}
@@ -123,7 +140,8 @@ class BankCore:
     def align(self, request: AlignmentRequest, progress: Progress) -> AlignmentInfo:
         urls = self.partners(request.partners)
         minimum = request.min_intersection or self.settings.min_intersection
-        ceiling = overlap_ceiling(request.max_overlap, request.expect_overlap, self.settings.max_overlap)
+        ceiling = {name: overlap_ceiling(request.max_overlap, request.expect_overlap,
+                                         self.ceilings.get(name, self.settings.max_overlap)) for name in urls}
         with client_for(self.settings, timeout=self.settings.peer_timeout) as client:
             peers = {name: HttpPartner(name, url, client) for name, url in urls.items()}
             alignment, pairwise = align_with_partners(
@@ -142,10 +160,12 @@ class BankCore:
             )
         self.alignment, self.pairwise = alignment, pairwise
         save_alignment(self.settings.state_path, self.table, alignment)
-        # What the operator accepted of each partner holds for scoring with it too.
-        self.ceilings = {**self.ceilings, **dict.fromkeys(pairwise, ceiling)}
-        atomic_write_text(self.settings.state_path / CEILINGS, json.dumps(self.ceilings, indent=2))
+        # What a partner matched sets what it may match from then on (scoring, the next alignment): its share +
+        # ABOVE_EXPECTED, within what was allowed, unless the operator says otherwise next time.
         customers = len(self.table)
+        for name, count in pairwise.items():
+            self.ceilings[name] = min(ceiling[name], count / customers + ABOVE_EXPECTED) if customers else ceiling[name]
+        atomic_write_text(self.settings.state_path / CEILINGS, json.dumps(self.ceilings, indent=2))
         shares = {name: count / customers for name, count in pairwise.items()}
         warnings = overlap_warnings(shares, customers, request.expect_overlap, self.table.id_type)
         for warning in warnings:

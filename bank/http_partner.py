@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import NoReturn, TypeVar
 
 import httpx
+from pydantic import ValidationError
 import numpy as np
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
@@ -193,13 +194,15 @@ class HttpPartner:
                 if time.monotonic() > deadline:
                     raise PeerError(f"partner {self.name!r} was not ready with {what} in {self.wait_deadline:.0f}s")
 
-    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text",
-             log_head: str | None = None) -> SessionInfo:
-        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items, id_type=id_type,
-                                  log_head=log_head).model_dump(exclude_none=True)
+    def open(self, own_count: int, chunk_items: int, id_type: IdType = "text") -> SessionInfo:
+        body = psi.PsiOpenRequest(count=own_count, chunk_items=chunk_items, id_type=id_type).model_dump()
         response = self._call("POST", psi.SESSIONS, "opening a PSI session", json=body)
         expect_server(response, self.name, "partner")
-        info = psi.PsiOpenResponse.model_validate(response.json())
+        try:  # every partner logs its sessions: an answer without the hash of its record is refused
+            info = psi.PsiOpenResponse.model_validate(response.json())
+        except (ValueError, ValidationError) as exc:
+            raise PeerError(f"partner {self.name!r} answered the PSI open without a valid session-log record hash "
+                            f"(or otherwise malformed): {str(exc)[:300]}") from exc
         self._chunk_items = chunk_items  # what was agreed bounds every chunk read (run_initiator checks the answer)
         return SessionInfo(info.session, info.count, info.chunk_items, info.id_type, info.log_head)
 
@@ -225,8 +228,10 @@ class HttpPartner:
         response = self._call("POST", fill(psi.COMMIT, session_id=session_id), "the alignment",
                               content=psi.encode_positions(positions), headers=headers)
         info = control.AlignmentInfo.model_validate(response.json())
-        head = info.log_head if info.log_head is not None and re.fullmatch(psi.LOG_HEAD, info.log_head) else None
-        return Committed(info.rows, head)
+        if info.log_head is None or not re.fullmatch(psi.LOG_HEAD, info.log_head):
+            raise PeerError(f"partner {self.name!r} confirmed the commit without the hash of its session-log record "
+                            "of it: every partner logs its sessions")
+        return Committed(info.rows, info.log_head)
 
     def abort(self, session_id: str) -> None:
         self._call("DELETE", fill(psi.SESSION, session_id=session_id), "aborting the session")

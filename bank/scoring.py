@@ -89,17 +89,15 @@ class _Customers:
         points = hashed_points(self.table.normalized_ids, pool, None, partnership_dst(bank_name, name))
         logged = book.initiated(name, "scoring", self.n)
         try:
-            session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type, admit=logged.admit,
-                                               log_head=book.head)
+            session_id, result = run_initiator(partner, points, pool, id_type=self.table.id_type, admit=logged.admit)
         except BaseException as exc:
             logged.failed(exc)
             raise
         scoring_id = uuid.uuid4().hex
         try:
-            told.check(name, self.keys, self.keys[result.rows], max_overlap)
-            told.add(name, self.keys, self.keys[result.rows])
+            told_sent, told_matched = told.claim(name, self.keys, self.keys[result.rows], max_overlap)
             committed = partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring",
-                                       log_head=book.head)
+                                       log_head=logged.head)
         except (IntersectionTooSmall, OverlapTooHigh) as exc:  # a policy of either side: none is scored with it
             self.why[name] = (f"{name} refused the alignment" if isinstance(exc, IntersectionTooSmall) else
                               f"{name} matched more of these customers than --max-overlap allows")
@@ -111,7 +109,7 @@ class _Customers:
             logged.failed(exc, matched=len(result))
             raise
         logged.ended("committed", matched=len(result), result=len(result), alignment=scoring_id,
-                     peer_head=committed.log_head)
+                     peer_head=committed.log_head, told_sent=told_sent, told_matched=told_matched)
         self.fallbacks[name] = {}
         for start in range(0, len(result), BATCH):
             positions = torch.arange(start, min(start + BATCH, len(result)))

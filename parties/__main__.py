@@ -11,7 +11,7 @@ from pathlib import Path
 
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError, LogTampered
-from parties.storage.session_log import GENESIS, verify_log
+from parties.storage.session_log import verify_log
 from parties.transport.tls import DEFAULT_HOSTS, write_dev_pki
 
 #: The integer fields a summary line adds up: what a PSI session's peer declared, sent, and what came of it.
@@ -75,21 +75,37 @@ def _verify_log_command(args: argparse.Namespace) -> int:
         return 0
     if not args.peer:
         raise ConfigError("--against needs --peer NAME: whose log it is")
-    missing = missing_heads(records, verify_log(args.against), args.peer)
+    problems = unanchored(records, verify_log(args.against), args.peer)
     kept = sum(1 for r in records if r.get("peer") == args.peer and r.get("peer_head"))
-    if missing:
-        raise LogTampered(f"{args.against}: {len(missing)} of the {kept} chain heads of {args.peer!r} that {args.path} "
-                          f"kept are not in it (first at line {missing[0]} of {args.path}): {args.peer} rewrote or cut "
-                          "its log after it sent them")
-    print(f"{args.against}: holds all {kept} chain heads of {args.peer!r} that {args.path} kept")
+    if problems:
+        line, why = problems[0]
+        raise LogTampered(f"{args.against} and {args.path} disagree at {len(problems)} records of {args.peer!r} (first "
+                          f"at line {line} of {args.path}: {why}): one of the two logs was rewritten or cut, or "
+                          f"{args.peer} withheld what its log should hold")
+    print(f"{args.against}: holds all {kept} records of {args.peer!r} that {args.path} kept the hash of, each for "
+          "its own session")
     return 0
 
 
-def missing_heads(records: list[dict[str, object]], peer_records: list[dict[str, object]], peer: str) -> list[int]:
-    """The lines of ``records`` keeping a chain head of ``peer`` that ``peer_records`` (its log) does not hold."""
-    hashes = {GENESIS, *(str(r["hash"]) for r in peer_records)}
-    return [n for n, r in enumerate(records, start=1)
-            if r.get("peer") == peer and r.get("peer_head") and r["peer_head"] not in hashes]
+def unanchored(records: list[dict[str, object]], peer_records: list[dict[str, object]],
+               peer: str) -> list[tuple[int, str]]:
+    """Where ``records`` (this party's log) and ``peer_records`` (``peer``'s) disagree: (line, why) for each record
+    of ``peer`` here whose kept hash is no record of that session in the peer's log, and each commit here
+    that kept none."""
+    sessions = {str(r["hash"]): r.get("session") for r in peer_records}
+    out = []
+    for n, r in enumerate(records, start=1):
+        if r.get("peer") != peer:
+            continue
+        head = r.get("peer_head")
+        if head is None:
+            if r.get("event") == "committed":
+                out.append((n, "a commit without the peer's record hash"))
+        elif head not in sessions:
+            out.append((n, "the peer's record hash it kept is not in the peer's log"))
+        elif sessions[str(head)] != r.get("session"):
+            out.append((n, "the peer's record hash it kept is of another session"))
+    return out
 
 
 def _summary_lines(records: list[dict[str, object]]) -> list[str]:

@@ -60,8 +60,7 @@ class PsiDesk:
             raise BadMessage(f"chunk_items must be between 1 and {MAX_CHUNK_ITEMS}")
         space = self.banks[bank]
         session_id = uuid.uuid4().hex
-        head = self.partnership.admit(bank, request.count, session=session_id, side="bank",  # before any blinding
-                                      peer_head=request.log_head)
+        head = self.partnership.admit(bank, request.count, session=session_id, side="bank")  # before any blinding
         with self._lock:
             self._expire()
             if len(space.psi) >= self.settings.max_psi_sessions:

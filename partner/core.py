@@ -179,7 +179,7 @@ class PartnerCore:
         if session is not None:
             session.close()
         if finished:
-            if folder.is_dir() or session is not None:
+            if folder.is_dir():  # it has checkpoints to come back from: mark it, so it never does
                 atomic_write_text(folder / ENDED, "")  # 0600 in a 0700 folder, like every file of the party's
                 remove_checkpoints(folder)
             logger.info("training session %s of %s ended", session_id, bank)

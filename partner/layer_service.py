@@ -43,7 +43,7 @@ from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
 from parties.settings import LayerHostSettings
 from parties.storage.checkpoint import remove_idle_sessions
 from parties.storage.files import private_dir
-from parties.storage.quota import DiskQuota
+from parties.storage.quota import FOLDER_BYTES, DiskQuota
 from parties.tables.encoding import TabularEncoder, category_text
 from parties.tables.table import FeatureSchema, PartyTable
 from parties.transport.app import create_party_app, read_body, require_role
@@ -172,7 +172,10 @@ class LayerHost:
                                  f"(an idle one ends after {self.settings.session_ttl:.0f}s)")
             features = self._features(start) if start.kind == "bottom" else None
             self._check_size(start, int(features.shape[1]) if features is not None else start.in_width)
-            folder = private_dir(self.quota.folder(owner) / start.session)
+            folder = self.quota.folder(owner) / start.session
+            if not folder.is_dir():  # a session's folder is disk of its bank's too: no folders past the quota
+                with self.quota.reserve(owner, FOLDER_BYTES):
+                    private_dir(folder)
             session = LayerSession(start, owner, folder, features, max_rows=self.settings.max_batch_rows,
                                    max_activations=self.settings.max_activations,
                                    quota=lambda nbytes: self.quota.reserve(owner, nbytes))

@@ -78,7 +78,7 @@ async def commit(
     request: Request,
     alignment_id: str = Header(alias=psi.ALIGNMENT_HEADER),
     purpose: str = Header("training", alias=psi.PURPOSE_HEADER),
-    log_head: str | None = Header(None, alias=psi.LOG_HEAD_HEADER, pattern=psi.LOG_HEAD),
+    log_head: str = Header(alias=psi.LOG_HEAD_HEADER, pattern=psi.LOG_HEAD),  # the bank's record of the session
     who: PeerIdentity = Depends(require_role("bank")),
     c: PartnerCore = Depends(core),
 ) -> control.AlignmentInfo:

@@ -63,9 +63,9 @@ class _Meeting:
     def __init__(self, peer: HttpPartner, barrier: threading.Barrier) -> None:
         self._peer, self._barrier = peer, barrier
 
-    def open(self, own_count: int, chunk_items: int, id_type: str = "text", log_head: str | None = None):
+    def open(self, own_count: int, chunk_items: int, id_type: str = "text"):
         self._barrier.wait()  # sequential alignment never gets past this: the next partner has not started
-        return self._peer.open(own_count, chunk_items, id_type, log_head)
+        return self._peer.open(own_count, chunk_items, id_type)
 
     def __getattr__(self, attr: str):
         return getattr(self._peer, attr)

@@ -103,7 +103,7 @@ def _lying_partner(count: int, chunk_items: int | None, body_bytes: int) -> Fast
 
     @app.post("/psi/sessions")
     async def open_session(body: dict) -> dict:
-        return {"session": "s1", "count": count, "chunk_items": chunk_items or body["chunk_items"]}
+        return {"session": "s1", "count": count, "chunk_items": chunk_items or body["chunk_items"], "log_head": "0" * 64}
 
     @app.put("/psi/sessions/s1/blinded/{index}", status_code=204)
     async def put(index: int) -> Response:
@@ -166,7 +166,7 @@ def test_a_session_is_only_its_banks(pki: Path, partition, start_partner, pool) 
         info = owner.open(3, 64)
         owner.put_blinded(info.session_id, 0, curve.blind(curve.generate_key(), _points(["a", "b", "c"])))
         for attempt in (lambda: other.get_blinded(info.session_id, 0), lambda: other.abort(info.session_id),
-                        lambda: other.commit(info.session_id, "stolen", np.arange(1))):
+                        lambda: other.commit(info.session_id, "stolen", np.arange(1), log_head="0" * 64)):
             with pytest.raises(UnknownSession):
                 attempt()
         assert len(owner.get_reblinded(info.session_id, 0)) == 3 * TRUNCATED_BYTES  # untouched, still the owner's

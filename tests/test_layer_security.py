@@ -35,6 +35,7 @@ from parties.protocol.layers import LayerStart
 from parties.protocol.wire import SAFETENSORS, encode
 from parties.limits import BankQuotas
 from parties.settings import BranchSettings, ComputeSettings
+from parties.storage.quota import FOLDER_BYTES
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
 from parties.transport.client import make_client
@@ -321,6 +322,22 @@ def test_a_banks_checkpoints_at_a_compute_party_are_bounded_per_bank(pki, tmp_pa
         theirs.start(trunk("other"))  # another bank's quota is its own
         trains(theirs, 1)
         theirs.checkpoint(1)
+    finally:
+        for c in own_clients.values():
+            c.close()
+        server.stop()
+
+
+def test_session_folders_count_against_the_banks_quota(pki, tmp_path, own_clients) -> None:
+    """The second review started and ended 20,000 sessions at a compute party: a folder each, none refused."""
+    server = compute_service(pki, tmp_path, quotas=BankQuotas(disk_per_bank=3 * FOLDER_BYTES))
+    try:
+        mine = peer(server, own_clients["bank"])
+        with pytest.raises(QuotaExceeded, match="HTTP 507"):
+            for i in range(100):
+                mine.start(trunk(f"s{i}"))
+                mine.end()
+        assert i == 3 and len(list((tmp_path / "layers" / "bank").iterdir())) == 3  # three folders fit, not four
     finally:
         for c in own_clients.values():
             c.close()

@@ -170,8 +170,11 @@ def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank
     from bank.lab.privacy_study import Federation
 
     fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False))
+    # Pinned noise, as the privacy study pins it: the claim is about the defense's power, and the bank's own
+    # secret noise (fresh per run) put the s=16 run's test ROC-AUC on either side of 0.7 (0.69 seen in CI).
     runs = {s: _leaks(fed, TrainingConfig(epochs=3, batch_size=128, audit=True, **(
-        {} if s is None else {"gradient_defense": "marvell", "marvell_power": s}))) for s in (None, 1.0, 16.0)}
+        {} if s is None else {"gradient_defense": "marvell", "marvell_power": s, "defense_seed": 7})))
+            for s in (None, 1.0, 16.0)}
     (none, none_auc, plain), (one, one_auc, h1), (sixteen, sixteen_auc, h16) = runs.values()
     assert min(none.values()) > 0.9
     for attack in ("norm", "direction"):

@@ -25,13 +25,16 @@ from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
 from alignment.psi import run_initiator
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
+from bank.core import check_exposure
 from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
-from parties.errors import OverBudget, PeerError, QuotaExceeded, UnknownSession
+from parties.errors import DataError, OverBudget, PeerError, QuotaExceeded, StorageError, UnknownSession
 from parties.protocol.control import AlignmentRequest
 from parties.limits import BankQuotas, PsiLimits
+from parties.settings import PartnerSettings
 from parties.storage.session_log import RESERVED, SessionLog, verify_log
 from parties.tables.table import load_party_table
+from parties.transport.access import peer_detail
 from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles
 
@@ -90,8 +93,8 @@ def test_a_partner_claiming_every_possible_id_learns_none_of_the_banks_customers
     bank = start_bank(files("bank", bank_ids, label=True), {"partner": partner.url})
     with _operator(pki, bank) as op, pytest.raises(JobFailed) as refused:
         op.wait(op.start_alignment())
-    assert "would have matched 600 of the 600 bank customers sent to it (100.0%), more than the 95% allowed" in str(
-        refused.value)
+    assert ("would have matched 600 of the 600 bank customers sent to it in this session that it had not matched "
+            "before (100.0%), more than the 95% allowed") in str(refused.value)
     assert "nothing was committed" in str(refused.value)
     # The partner learns which of its IDs are the bank's only from a commit: there was none.
     core = partner.app.state.core
@@ -125,20 +128,24 @@ def test_a_partner_announcing_more_ids_than_agreed_is_refused_before_anything_is
 
 def test_claims_spread_over_sessions_add_up(pki, files, start_partner, pool, tmp_path) -> None:
     """The second review's partner claimed 90% of the space at the training alignment (accepted) and the whole space
-    at the next session: per session it stayed under the bound and learned every bank customer."""
+    at the next session: per session the first stayed under the bound. Here the second claim is 90% of the space
+    too, but the 10% the first left out: each session passes alone, and together they are every bank customer."""
     rng = np.random.default_rng(4)
     table = load_party_table(files("bank", rng.choice(1000, size=600, replace=False), label=True), "customer_id", "y")
-    most = start_partner(files("most", rng.choice(1000, size=900, replace=False)), name="partner")
-    every = start_partner(files("every", np.arange(1000)), name="partner", state_dir=tmp_path / "every")
+    first_claim = rng.choice(1000, size=900, replace=False)
+    rest = np.setdiff1d(np.arange(1000), first_claim)
+    second_claim = np.concatenate([rest, rng.choice(first_claim, size=800, replace=False)])
+    most = start_partner(files("most", first_claim), name="partner")
+    other = start_partner(files("other", second_claim), name="partner", state_dir=tmp_path / "other")
     told = Exposure()
     with _client(pki, "bank") as client:
         first, _ = align_with_partners(table, {"partner": HttpPartner("partner", most.url, client)}, pool,
                                        exposure=told)
         assert 0.85 < len(first) / 600 < 0.95  # the first claim is within the bound
-        with pytest.raises(OverlapTooHigh, match=r"would have matched 600 of the 600 bank customers sent to it "
-                                                 r"\(100.0%\) \(\d+ of 600 in earlier sessions\)"):
-            align_with_partners(table, {"partner": HttpPartner("partner", every.url, client)}, pool, exposure=told)
-    assert every.app.state.core.alignment_of("bank") is None  # nothing committed: it learned nothing more
+        with pytest.raises(OverlapTooHigh, match=r"would have matched 600 of the 600 bank customers sent to it over "
+                                                 r"the partnership \(100.0%\) \(\d+ of 600 in earlier sessions\)"):
+            align_with_partners(table, {"partner": HttpPartner("partner", other.url, client)}, pool, exposure=told)
+    assert other.app.state.core.alignment_of("bank") is None  # nothing committed: it learned nothing more
     assert told.totals("partner") == (600, len(first))
 
 
@@ -148,16 +155,14 @@ def test_over_the_partnership_a_partner_learns_at_most_the_ceiling_less_its_shar
     told, ceiling = Exposure(), 0.95
     portfolio = customer_keys([f"c{i}".encode() for i in range(1000)])
     held = rng.random(1000) < 0.9  # the partner's honest share of the portfolio
-    told.check("p", portfolio, portfolio[held], ceiling)
-    told.add("p", portfolio, portfolio[held])
+    told.claim("p", portfolio, portfolio[held], ceiling)
     learned_beyond = 0
     for batch in range(100):  # new applicants, 20 at a time, each claimed whatever the partner holds
         keys = customer_keys([f"new{batch}-{i}".encode() for i in range(20)])
         try:
-            told.check("p", keys, keys, ceiling)
+            told.claim("p", keys, keys, ceiling)
         except OverlapTooHigh:
             break
-        told.add("p", keys, keys)
         learned_beyond += int(np.sum(rng.random(20) >= 0.9))  # of those, about 10% it does not hold
     else:
         pytest.fail("every batch passed: the claims were never added up")
@@ -165,6 +170,19 @@ def test_over_the_partnership_a_partner_learns_at_most_the_ceiling_less_its_shar
     chance = 4 * np.sqrt(sent * ceiling * (1 - ceiling))  # the test's slack: a binomial tail of 1e-3 and less
     assert batch < 100 and matched <= ceiling * sent + chance
     assert learned_beyond <= (ceiling - held.mean()) * sent + chance
+
+
+def test_a_ledger_deleted_or_rolled_back_stops_the_bank(tmp_path) -> None:
+    """Deleting the ledger (or restoring an older one) would let a partner be told again what it was told."""
+    told = Exposure(tmp_path / "exposure")
+    keys = customer_keys([f"c{i}".encode() for i in range(100)])
+    totals = told.claim("partner", keys, keys[:60], 0.95)
+    logged = [{"event": "committed", "peer": "partner", "seq": 7, "told_sent": totals[0], "told_matched": totals[1]}]
+    check_exposure(Exposure(tmp_path / "exposure"), logged)  # as the log says: starts
+    (tmp_path / "exposure" / "partner.npz").unlink()
+    with pytest.raises(DataError, match=r"holds \(0, 0\).*record 7 says it held, \(100, 60\): it was deleted or "
+                                        r"rolled back"):
+        check_exposure(Exposure(tmp_path / "exposure"), logged)
 
 
 def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, files, start_partner, start_bank,
@@ -177,9 +195,14 @@ def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, file
     bank_log = bank.app.state.core.settings.state_path / "psi-sessions.log"
     partner.stop()
     bank.stop()
-    kept = [r["peer_head"] for r in verify_log(bank_log) if r.get("peer_head")]
-    assert len(kept) == 2 and set(kept) <= {r["hash"] for r in verify_log(partner_log)}  # at open and at commit
-    assert any(r.get("peer_head") for r in verify_log(partner_log) if r["event"] == "committed")
+    partner_hashes = {r["hash"]: r for r in verify_log(partner_log)}
+    kept = [(r["peer_head"], r["session"]) for r in verify_log(bank_log) if r.get("peer_head")]
+    assert len(kept) == 2  # the partner's records of the opening and of the commit, each of this session
+    assert all(partner_hashes[head]["session"] == session for head, session in kept)
+    bank_hashes = {r["hash"]: r for r in verify_log(bank_log)}
+    (commit,) = [r for r in verify_log(partner_log) if r["event"] == "committed"]
+    assert bank_hashes[commit["peer_head"]]["event"] == "opened"  # the bank's record of this session
+    assert bank_hashes[commit["peer_head"]]["session"] == commit["session"]
 
     def verify(log: Path, against: Path, peer: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "parties", "verify-log", str(log), "--against", str(against),
@@ -197,7 +220,21 @@ def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, file
     assert subprocess.run([sys.executable, "-m", "parties", "verify-log", str(forged)],
                           capture_output=True, timeout=60).returncode == 0
     refused = verify(bank_log, forged, "partner")
-    assert refused.returncode == 2 and "rewrote or cut its log" in refused.stderr
+    assert refused.returncode == 2 and "one of the two logs was rewritten or cut" in refused.stderr
+    # A partner that withholds the hash of its records is refused by the bank, so it cannot avoid being anchored.
+    with _client(pki, "bank") as client:
+        class Withholding(HttpPartner):
+            def _call(self, method, path, what, **kwargs):
+                response = super()._call(method, path, what, **kwargs)
+                if what == "opening a PSI session":
+                    body = response.json()
+                    body.pop("log_head")
+                    response = httpx.Response(200, json=body, request=response.request)
+                return response
+
+        withheld = start_partner(files("partner2", np.arange(50, 550)), name="partner", state_dir=tmp_path / "w")
+        with pytest.raises(PeerError, match="without a valid session-log record hash"):
+            Withholding("partner", withheld.url, client).open(10, 1024, "integer")
 
 
 def test_refusals_count_against_the_hour_and_are_not_written_without_end(pki, files, start_partner,
@@ -396,3 +433,12 @@ def test_a_layer_service_refuses_to_start_without_the_banks_it_serves(pki, files
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--bank: name the banks this service holds layers for (--bank NAME, repeat per bank)" in done.stderr
+
+
+def test_a_refusal_names_no_folder_of_the_partys_disk(tmp_path) -> None:
+    """A failed write's message carries the party's path; what the peer reads names it <state>."""
+    settings = PartnerSettings(name="partner", data=tmp_path / "p.csv", insecure=True, state_dir=tmp_path / "state")
+    failed = StorageError(f"could not write the checkpoint of step 3 to {tmp_path / 'state'}/banks/b/training/s/x: "
+                          "disk full")
+    assert peer_detail(settings, failed) == ("could not write the checkpoint of step 3 to <state>/banks/b/training/s/x:"
+                                             " disk full")

@@ -313,7 +313,7 @@ class LayerSession:
             tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
             optim, meta = flatten_optimizer(self.optimizer, "optim")
             tensors.update(optim)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # its folder is the session's
             with self.quota(nbytes) if self.quota is not None else nullcontext():
                 write_checkpoint(self.folder, step, tensors,
                                  {"optimizer": meta, "step": step, "layout": self._layout()}, keep=None)

@@ -22,6 +22,7 @@ from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
 from parties.storage.files import atomic_write_bytes
+from parties.storage.quota import FOLDER_BYTES
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import AlignedRows, PartyTable
 
@@ -141,7 +142,8 @@ class PartySession:
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
         listing = (json.dumps(digests, indent=2) + "\n").encode()
         try:
-            with quota(sum(map(len, blobs.values())) + len(listing)) if quota is not None else nullcontext():
+            nbytes = sum(map(len, blobs.values())) + len(listing) + (0 if Path(directory).is_dir() else FOLDER_BYTES)
+            with quota(nbytes) if quota is not None else nullcontext():
                 for name, data in blobs.items():
                     atomic_write_bytes(Path(directory) / name, data)
                 atomic_write_bytes(Path(directory) / "files.json", listing)

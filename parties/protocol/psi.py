@@ -49,7 +49,8 @@ MAX_CHUNK_ITEMS = 1 << 18
 ALIGNMENT_HEADER = "x-cutlayer-alignment"
 #: What a committed PSI result is for: the training alignment, or a batch of customers to score.
 PURPOSE_HEADER = "x-cutlayer-purpose"
-#: The sender's session-log chain head (``parties.storage.session_log``), which the receiver keeps in its own log.
+#: The hash of the sender's session-log record of this session (``parties.storage.session_log``), which the
+#: receiver keeps in its own log: a commit carries the bank's "opened" record's.
 LOG_HEAD_HEADER = "x-cutlayer-log-head"
 LOG_HEAD = r"^[0-9a-f]{64}$"
 
@@ -66,7 +67,6 @@ class PsiOpenRequest(Message):
                        "make the responder blind its set)")
     chunk_items: int = Field(ge=1, le=MAX_CHUNK_ITEMS)
     id_type: IdType = Field("text", description="how the initiator's IDs were canonicalised (parties.tables.ids)")
-    log_head: str | None = Field(None, pattern=LOG_HEAD, description="the initiator's session-log chain head")
 
 
 class PsiOpenResponse(Message):
@@ -74,8 +74,8 @@ class PsiOpenResponse(Message):
     count: int = Field(ge=0)
     chunk_items: int = Field(ge=1)
     id_type: IdType = "text"
-    log_head: str | None = Field(None, pattern=LOG_HEAD, description="the responder's chain head, after it "
-                                 "logged this session")
+    log_head: str = Field(pattern=LOG_HEAD, description="the hash of the responder's session-log record of this "
+                          "session's opening, for the initiator to keep")
 
 
 def encode_positions(positions: np.ndarray) -> bytes:

@@ -38,6 +38,7 @@ import torch
 from parties.errors import BadMessage, DataError, StorageError
 from parties.protocol.wire import parse, serialize
 from parties.storage.files import atomic_write_bytes
+from parties.storage.quota import FOLDER_BYTES
 
 __all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
            "remove_checkpoints", "unflatten_optimizer", "write_checkpoint"]
@@ -152,6 +153,7 @@ class CheckpointWriter:
                floor: int | None) -> Path:
         try:
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(meta_json)
+            nbytes += 0 if Path(folder).is_dir() else FOLDER_BYTES  # the first checkpoint makes the folder
             with self.quota(nbytes) if self.quota is not None else nullcontext():
                 path = _write(folder, step, tensors, meta_json, self.keep, floor)
         except StorageError as exc:  # over the owner's quota: nothing was written

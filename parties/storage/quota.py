@@ -38,6 +38,7 @@ class DiskQuota:
         self.flag = flag
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # bytes reserved by writes under way, per bank
+        self._locks: dict[str, threading.Lock] = {}
 
     def folder(self, bank: str) -> Path:
         """Where ``bank``'s files live at this party: ``root / bank``."""
@@ -75,7 +76,7 @@ class DiskQuota:
         if self.limit is None:
             yield
             return
-        with self._lock:
+        with self._lock_of(bank):
             used, held = self.used(bank), self._held.get(bank, 0)
             if used + held + adding > self.limit:
                 raise QuotaExceeded(
@@ -88,8 +89,13 @@ class DiskQuota:
         try:
             yield
         finally:
-            with self._lock:
+            with self._lock_of(bank):
                 self._held[bank] -= adding
+
+    def _lock_of(self, bank: str) -> threading.Lock:
+        """One lock per bank: counting one bank's tree never waits on another's."""
+        with self._lock:
+            return self._locks.setdefault(bank, threading.Lock())
 
 def _amount(n: int) -> str:
     return f"{n / _MB:.1f} MB ({n:,} bytes)"

@@ -71,13 +71,15 @@ class SessionLog:
     too (a party reads its PSI budgets from them); older ones are read from the file when asked for.
     """
 
-    def __init__(self, path: Path, keep_seconds: float = 86400.0) -> None:
-        self.path, self.keep_seconds = Path(path), keep_seconds
+    def __init__(self, path: Path | None, keep_seconds: float = 86400.0) -> None:
+        """``path`` ``None``: a chain kept in memory only (the lab, and tests that play every party in one
+        process), its last ``keep_seconds`` readable."""
+        self.path, self.keep_seconds = (Path(path) if path is not None else None), keep_seconds
         self._lock = threading.Lock()
         self._file: BinaryIO | None = None
         self._broken: str | None = None
-        data = _load(self.path) if self.path.exists() else b""
-        records, self._size = _read(self.path, data)
+        data = _load(self.path) if self.path is not None and self.path.exists() else b""
+        records, self._size = _read(self.path or Path("-"), data)
         if records.torn:
             # Whole records end in a newline; appending after a partial line would glue the next one to it.
             _log.warning("%s: dropped the torn line %d (%d bytes, a write cut short by a crash)",
@@ -108,7 +110,8 @@ class SessionLog:
             }
             record["hash"] = _digest(record)
             line = (json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
-            self._write(line)
+            if self.path is not None:
+                self._write(line)
             self._seq, self._head = self._seq + 1, str(record["hash"])
             self._size += len(line)
             self._recent.append(record)
@@ -121,8 +124,8 @@ class SessionLog:
         """Copies of the records, all of them or those whose ``unix`` is at or after ``since`` (from memory
         when ``since`` lies within ``keep_seconds``, else read and verified from the file)."""
         with self._lock:
-            if since is not None and since >= time.time() - self.keep_seconds:
-                return [dict(r) for r in self._recent if r["unix"] >= since]  # type: ignore[operator]
+            if self.path is None or (since is not None and since >= time.time() - self.keep_seconds):
+                return [dict(r) for r in self._recent if since is None or r["unix"] >= since]  # type: ignore[operator]
             records = _read(self.path, _load(self.path))[0] if self.path.exists() else []
             return [dict(r) for r in records if since is None or r["unix"] >= since]  # type: ignore[operator]
 

@@ -7,12 +7,12 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from parties.errors import BadMessage, Forbidden, PayloadTooLarge
+from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport.tls import ROLES, PeerIdentity, peer_identity
 
-__all__ = ["CLOSING_STATUSES", "check_declared_length", "ensure_role", "identify", "read_limited"]
+__all__ = ["CLOSING_STATUSES", "check_declared_length", "ensure_role", "identify", "peer_detail", "read_limited"]
 
 #: Refusals after which the connection closes: a caller who may not call, or a body over the limit.
 #: Keeping the connection would mean reading (and dropping) the rest of the body, however large:
@@ -34,6 +34,15 @@ def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentit
             return PeerIdentity(name=name, role=role)
         raise Forbidden(f"--insecure mode: say who calls in the {CALLER_HEADER} header as ROLE:NAME")
     raise Forbidden("a client certificate is required")
+
+
+def peer_detail(settings: ServiceSettings, exc: CutlayerError) -> str:
+    """A refusal's reason as the caller reads it: this party's folders named ``<state>``, not spelled out (a
+    failed write's message carries a path the peer has no business knowing)."""
+    text = str(exc)
+    for folder in sorted({str(settings.state_path.resolve()), str(settings.state_path)}, key=len, reverse=True):
+        text = text.replace(folder, "<state>")
+    return text
 
 
 def ensure_role(identity: PeerIdentity, role: str) -> PeerIdentity:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from parties.errors import CutlayerError, Forbidden
 from parties.protocol.common import HEALTH, IDENTITY, Identity
 from parties.settings import ServiceSettings
-from parties.transport.access import CLOSING_STATUSES, ensure_role, identify, read_limited
+from parties.transport.access import CLOSING_STATUSES, ensure_role, identify, peer_detail, read_limited
 from parties.transport.hot_routes import HotPath, HotRoute
 from parties.transport.tls import PeerIdentity
 
@@ -95,7 +95,7 @@ def create_party_app(
             logger.warning("%s %s from %s refused: %s", request.method, request.url.path, peer, exc)
         else:
             logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
-        return _error(exc.status_code, type(exc).__name__, str(exc))
+        return _error(exc.status_code, type(exc).__name__, peer_detail(settings, exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -31,7 +31,7 @@ from starlette.routing import compile_path
 from parties.errors import CutlayerError, PayloadTooLarge
 from parties.protocol import http
 from parties.settings import ServiceSettings
-from parties.transport.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify
+from parties.transport.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify, peer_detail
 from parties.transport.tls import PeerIdentity
 
 __all__ = ["HotExchange", "HotPath", "HotRequest", "HotResponse", "HotRoute"]
@@ -156,7 +156,7 @@ class HotExchange:
             logger.warning("%s %s from %s refused: %s", self.scope["method"], self.scope["path"], peer, exc)
         else:
             logger.info("%s %s refused: %s", self.scope["method"], self.scope["path"], type(exc).__name__)
-        return _error(exc.status_code, type(exc).__name__, str(exc))
+        return _error(exc.status_code, type(exc).__name__, peer_detail(self.path.settings, exc))
 
 
 class HotPath:
