@@ -98,6 +98,22 @@ class Exposure:
             self._save(partner, sent_all.astype(_KEY), matched_all.astype(_KEY))
             return len(sent_all), len(matched_all)
 
+    def verify_against(self, records: list[dict[str, object]]) -> None:
+        """Refuse (``DataError``) a ledger holding less than the session log's committed records say it held
+        (deleted, or restored from an older copy): a partner would be allowed to learn again what it was told."""
+        logged: dict[str, tuple[int, int, int]] = {}
+        for r in records:
+            if r.get("event") == "committed" and "told_sent" in r:
+                logged[str(r["peer"])] = (int(r["told_sent"]), int(r["told_matched"]), int(r["seq"]))
+        for partner, (sent, matched, seq) in logged.items():
+            now_sent, now_matched = self.totals(partner)
+            if now_sent < sent or now_matched < matched:
+                raise DataError(
+                    f"the exposure ledger of partner {partner!r} holds ({now_sent}, {now_matched}) (customers sent, "
+                    f"matched), fewer than the session log's record {seq} says it held, ({sent}, {matched}): it was "
+                    f"deleted or rolled back. Restore {self.folder} from a backup: it bounds what {partner} may still "
+                    "be told")
+
     def _save(self, partner: str, sent: np.ndarray, matched: np.ndarray) -> None:
         if self.folder is not None:
             buffer = io.BytesIO()

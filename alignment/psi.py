@@ -21,9 +21,9 @@ What a dishonest partner can still do: claim IDs it does not hold (it can
 hash any ID it guesses), or return values out of order (which only corrupts
 the bank's result). What a dishonest bank can do: commit rows that are not in
 the intersection, up to the partner's whole table (the partner cannot check
-a one-sided result); the partner's defence is its policy: per-bank budgets
-enforced before any blinding (``parties.settings``), sessions bound to the
-bank's certificate, and the minimum commit size.
+a one-sided result); each side's defence is its policy: limits on what the
+other may bring, enforced before any blinding, a log of every session
+(``alignment.partnership``), sessions bound to the certificate.
 
 Truncation: 12 bytes (96 bits). For sets of n_A, n_B items the chance that
 any two different IDs share a truncated value is at most n_A * n_B / 2**96,
@@ -140,15 +140,11 @@ class ChunkedReceiver:
     def __init__(self, name: str, count: int, width: int, chunk_items: int) -> None:
         self.name, self.count, self.width, self.chunk_items = name, count, width, chunk_items
         self._parts: list[bytes] = []
-        self._received = 0
+        self.received = 0  # records so far
 
     @property
     def complete(self) -> bool:
-        return self._received == self.count
-
-    @property
-    def received(self) -> int:
-        return self._received
+        return self.received == self.count
 
     def expected_chunks(self) -> int:
         return n_chunks(self.count, self.chunk_items)
@@ -158,15 +154,15 @@ class ChunkedReceiver:
             raise OutOfOrder(f"all {self.name} chunks were already received")
         if index != len(self._parts):
             raise OutOfOrder(f"{self.name} chunk {index} arrived; expected chunk {len(self._parts)}")
-        expected = min(self.chunk_items, self.count - self._received) * self.width
+        expected = min(self.chunk_items, self.count - self.received) * self.width
         if len(data) != expected:
             raise BadMessage(f"{self.name} chunk {index} has {len(data)} bytes; expected {expected}")
         self._parts.append(data)
-        self._received += expected // self.width
+        self.received += expected // self.width
 
     def value(self) -> bytes:
         if not self.complete:
-            raise OutOfOrder(f"{self.name}: {self._received} of {self.count} records received")
+            raise OutOfOrder(f"{self.name}: {self.received} of {self.count} records received")
         return b"".join(self._parts)
 
 

@@ -98,22 +98,6 @@ def overlap_warnings(shares: dict[str, float], customers: int, expected: float |
             for name, share in shares.items() if share < FAR_BELOW * expected]
 
 
-def check_exposure(exposure: Exposure, records: list[dict[str, Any]]) -> None:
-    """Refuse to start on an exposure ledger that holds less than the session log says it held (deleted, or
-    restored from an older copy): a partner would be allowed to learn again what it was already told."""
-    logged: dict[str, tuple[int, int, int]] = {}
-    for r in records:
-        if r.get("event") == "committed" and "told_sent" in r:
-            logged[str(r["peer"])] = (int(r["told_sent"]), int(r["told_matched"]), int(r["seq"]))
-    for partner, (sent, matched, seq) in logged.items():
-        now_sent, now_matched = exposure.totals(partner)
-        if now_sent < sent or now_matched < matched:
-            raise DataError(
-                f"the exposure ledger of partner {partner!r} holds {exposure.totals(partner)} (customers sent, "
-                f"matched), fewer than the session log's record {seq} says it held, ({sent}, {matched}): it was deleted "
-                f"or rolled back. Restore {exposure.folder} from a backup: it bounds what {partner} may still be told")
-
-
 class BankCore:
     def __init__(self, settings: BankSettings, table: PartyTable) -> None:
         self.settings, self.table = settings, table
@@ -122,7 +106,7 @@ class BankCore:
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))
         self.exposure = Exposure(settings.state_path / "exposure")
-        check_exposure(self.exposure, self.partnership.records())
+        self.exposure.verify_against(self.partnership.records())
         ceilings = settings.state_path / CEILINGS
         self.ceilings: dict[str, float] = json.loads(ceilings.read_text()) if ceilings.exists() else {}
         self.pairwise: dict[str, int] = {}
@@ -177,7 +161,7 @@ class BankCore:
         self.partners(request.partners)  # refuse unknown names now, not in the job
 
         def work(progress: Progress) -> dict[str, Any]:
-            return self.align(request, progress).model_dump()
+            return self.align(request, progress).model_dump(exclude_none=True)
 
         return self.jobs.submit("alignment", work)
 

@@ -150,6 +150,7 @@ class HttpPartner:
             response = self.client.request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
             raise self._unreachable(exc, what) from exc
+        expect_server(response, self.name, "partner")  # a refusal from another service is not the partner's
         self._answered(response.status_code, len(response.request.content or b""), response.content, what)
         return response
 

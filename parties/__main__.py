@@ -75,16 +75,40 @@ def _verify_log_command(args: argparse.Namespace) -> int:
         return 0
     if not args.peer:
         raise ConfigError("--against needs --peer NAME: whose log it is")
-    problems = unanchored(records, verify_log(args.against), args.peer)
-    kept = sum(1 for r in records if r.get("peer") == args.peer and r.get("peer_head"))
+    peer_records = verify_log(args.against)
+    problems = unanchored(records, peer_records, args.peer) + disagreeing(records, peer_records, args.peer)
+    kept = {str(r["peer_head"]) for r in records if r.get("peer") == args.peer and r.get("peer_head")}
     if problems:
         line, why = problems[0]
         raise LogTampered(f"{args.against} and {args.path} disagree at {len(problems)} records of {args.peer!r} (first "
                           f"at line {line} of {args.path}: {why}): one of the two logs was rewritten or cut, or "
                           f"{args.peer} withheld what its log should hold")
-    print(f"{args.against}: holds all {kept} records of {args.peer!r} that {args.path} kept the hash of, each for "
-          "its own session")
+    loose = [n for n, r in enumerate(peer_records, start=1) if r.get("session") and r["hash"] not in kept]
+    print(f"{args.against}: holds every record of {args.peer!r} that {args.path} kept the hash of ({len(kept)}), each "
+          "of its own session, and the sizes of every session both logged agree")
+    if loose:
+        print(f"  not anchored here, so {args.peer} could rewrite them unseen: lines {_lines(loose)} of {args.against} "
+              "(records this party was never sent the hash of: a session's last one, refusals, aborts)")
     return 0
+
+
+def disagreeing(records: list[dict[str, object]], peer_records: list[dict[str, object]],
+                peer: str) -> list[tuple[int, str]]:
+    """(line, why) for each session opened in both logs whose sizes differ: what one side brought is what the
+    other says the peer declared."""
+    theirs = {r.get("session"): r for r in peer_records if r["event"] == "opened"}
+    out = []
+    for n, r in enumerate(records, start=1):
+        other = theirs.get(r.get("session")) if r.get("peer") == peer and r["event"] == "opened" else None
+        if other is not None and (r.get("own"), r.get("declared")) != (other.get("declared"), other.get("own")):
+            out.append((n, f"this side brought {r.get('own')} and the peer {r.get('declared')} IDs, but the peer "
+                            f"logged {other.get('declared')} and {other.get('own')}"))
+    return out
+
+
+def _lines(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:12]))
+    return shown + (f" and {len(numbers) - 12} more" if len(numbers) > 12 else "")
 
 
 def unanchored(records: list[dict[str, object]], peer_records: list[dict[str, object]],

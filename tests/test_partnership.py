@@ -25,7 +25,6 @@ from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
 from alignment.psi import run_initiator
 from bank.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.core import check_exposure
 from bank.http_partner import HttpPartner
 from bank.operator import BankOperator, JobFailed
 from parties.errors import DataError, OverBudget, PeerError, QuotaExceeded, StorageError, UnknownSession
@@ -178,11 +177,11 @@ def test_a_ledger_deleted_or_rolled_back_stops_the_bank(tmp_path) -> None:
     keys = customer_keys([f"c{i}".encode() for i in range(100)])
     totals = told.claim("partner", keys, keys[:60], 0.95)
     logged = [{"event": "committed", "peer": "partner", "seq": 7, "told_sent": totals[0], "told_matched": totals[1]}]
-    check_exposure(Exposure(tmp_path / "exposure"), logged)  # as the log says: starts
+    Exposure(tmp_path / "exposure").verify_against(logged)  # as the log says: starts
     (tmp_path / "exposure" / "partner.npz").unlink()
     with pytest.raises(DataError, match=r"holds \(0, 0\).*record 7 says it held, \(100, 60\): it was deleted or "
                                         r"rolled back"):
-        check_exposure(Exposure(tmp_path / "exposure"), logged)
+        Exposure(tmp_path / "exposure").verify_against(logged)
 
 
 def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, files, start_partner, start_bank,
@@ -208,8 +207,11 @@ def test_both_logs_keep_the_others_chain_head_so_a_rewritten_log_shows(pki, file
         return subprocess.run([sys.executable, "-m", "parties", "verify-log", str(log), "--against", str(against),
                                "--peer", peer], capture_output=True, text=True, timeout=60)
 
-    assert verify(bank_log, partner_log, "partner").returncode == 0
+    checked = verify(bank_log, partner_log, "partner")
+    assert checked.returncode == 0 and "the sizes of every session both logged agree" in checked.stdout
     assert verify(partner_log, bank_log, "bank").returncode == 0
+    # What the other side never got the hash of (the bank's last record of the session) is said, not implied.
+    assert "not anchored here" in verify(partner_log, bank_log, "bank").stdout
     # The partner rewrites its own log (the bank "brought" more), its chain recomputed so that it verifies alone.
     records = verify_log(partner_log)
     records[0]["declared"] = 10_000_000
