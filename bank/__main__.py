@@ -61,9 +61,9 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 
 LOCAL_STEPS_HELP = (f"batches per round trip, one update each at every party (default "
                     f"{default_of(TrainingConfig, 'local_steps')}: exact; K > 1 makes K times fewer round trips, "
-                    "one round trip stale: see the README's 'Across a real network')")
+                    "one round trip stale: see docs/how-to/wan.md)")
 REUSE_STEPS_HELP = (f"with --local-steps: R more updates per round trip at every party from the last two round "
-                    f"trips' batches (default {default_of(TrainingConfig, 'reuse_steps')}; the README's WAN setting: "
+                    f"trips' batches (default {default_of(TrainingConfig, 'reuse_steps')}; the WAN setting of docs/how-to/wan.md: "
                     "--local-steps 4 --reuse-steps 8 --wire-precision int8)")
 
 
@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="vertical",
                    help="vertical: the bank and partners hold different columns; u-shaped/vanilla: the bank owns "
                         "every column and rents a compute party; relay/splitfed: the bank's customers at 3 branches "
-                        "(README: other configurations) (default vertical)")
+                        "(docs/how-to/configurations.md) (default vertical)")
     w.add_argument("--branches", type=int, default=None, help="relay, splitfed: how many branches (default 3)")
     w.add_argument("--fedavg-every", type=int, default=None, metavar="N",
                    help="splitfed: average the branches' bottoms every N steps, and at epoch ends (default 10; 0: "
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "exact; fp16/bf16 halve the bytes, int8 quarters them)")
     w.add_argument("--local-steps", type=int, default=None, metavar="K", help=LOCAL_STEPS_HELP)
     w.add_argument("--reuse-steps", type=int, default=None, metavar="R", help=REUSE_STEPS_HELP)
-    d = w.add_argument_group("defenses (all off by default: see the README's privacy section)")
+    d = w.add_argument_group("defenses (all off by default: see docs/explanation/privacy.md)")
     d.add_argument("--dp-clip", type=float, default=None, help="partners: embedding noise's clip norm")
     d.add_argument("--dp-noise", type=float, default=None, help="partners: embedding noise's std (obfuscation, no ε)")
     d.add_argument("--nopeek", type=float, default=None, metavar="ALPHA",

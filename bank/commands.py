@@ -303,7 +303,7 @@ def walkthrough(args: argparse.Namespace) -> int:
         # Both are this operator's choice here: refuse what would stop the run with a false alarm.
         raise ConfigError(f"--hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense "
                           f"{training.gradient_defense}): the rank test reads that noise as a hijack. Protect "
-                          "labels with --label-dp-epsilon alongside it (see the README's privacy section)")
+                          "labels with --label-dp-epsilon alongside it (see docs/explanation/privacy.md)")
     partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
         ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise),
         ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]

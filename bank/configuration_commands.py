@@ -121,7 +121,7 @@ def configuration_walkthrough(args: argparse.Namespace) -> int:
         given.insert(0, "--partners")
     if given:
         raise ConfigError(f"{', '.join(given)}: vertical only, not in the {args.configuration} configuration "
-                          "(README: configurations)")
+                          "(docs/how-to/configurations.md)")
     if args.configuration not in ("relay", "splitfed") and (args.branches is not None or args.fedavg_every is not None):
         raise ConfigError(f"--branches and --fedavg-every are for relay and splitfed, not {args.configuration}")
     if args.configuration == "relay" and args.fedavg_every is not None:
@@ -180,7 +180,7 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
 
 
 def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
-    """``train-owner`` and ``train-branches``: the bank's side of the by-hand flows (README: other configurations)."""
+    """``train-owner`` and ``train-branches``: the bank's side of the by-hand flows (docs/how-to/configurations.md)."""
     from parties.cli import command
 
     for name, summary, handler in (

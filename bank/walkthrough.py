@@ -50,12 +50,12 @@ def _start_services(config: WalkthroughConfig, paths: dict[str, Path]) -> tuple[
     if config.workers:
         common += ["--workers", str(config.workers)]
     partners = [n for n in paths if n != "bank"]
-    # The partnership agreement: each side brings at most its own set to a PSI session (README: security model).
+    # The partnership agreement: each side brings at most its own set to a PSI session (docs/explanation/security.md).
     sizes = {name: _rows(path) for name, path in paths.items()}
     services = []
     for i, name in enumerate(partners):
         # Partner i's bottom model starts from seed i: the first partner's is `partner serve`'s default, so
-        # the README's by-hand flow trains the walkthrough's model bit for bit.
+        # the by-hand flow (docs/how-to/by-hand.md) trains the walkthrough's model bit for bit.
         args = ["--name", name, "--data", str(paths[name]), "--state-dir", str(out / name), "--seed", str(i),
                 "--peer-max-ids", f"bank={sizes['bank']}", *config.partner_args]
         services.append(ServiceProcess("partner", args + common, out / name / "ready.json", out / "logs" / f"{name}.log"))

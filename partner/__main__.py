@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{default_of(BottomConfig, 'seed')}; secret with the hijack monitor on, so a bank cannot "
                         "rebuild them)")
     d = s.add_argument_group("embedding noise (off unless --dp-clip is given): obfuscation against inversion, "
-                             "not differential privacy, and no ε is claimed (README: privacy)")
+                             "not differential privacy, and no ε is claimed (docs/explanation/privacy.md)")
     d.add_argument("--dp-clip", type=float, default=None, help="L2 bound on each released embedding row")
     d.add_argument("--dp-noise", type=float, default=None,
                    help=f"Gaussian noise std per coordinate, drawn from this partner's own secret "

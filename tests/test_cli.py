@@ -274,5 +274,5 @@ def test_the_walkthrough_refuses_the_rank_test_beside_bank_gradient_noise(
                           "--gradient-defense", "marvell", "--marvell-power", "1"], capsys)
     assert code == 2 and err.strip().splitlines() == [
         "error: --hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense marvell): the rank "
-        "test reads that noise as a hijack. Protect labels with --label-dp-epsilon alongside it (see the README's "
-        "privacy section)"]
+        "test reads that noise as a hijack. Protect labels with --label-dp-epsilon alongside it (see "
+        "docs/explanation/privacy.md)"]

@@ -17,14 +17,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.test_readme import README, _bash_blocks, _commands, _free_port
+from tests.test_readme import ROOT, _bash_blocks, _commands, _free_port
 
 SMALL_ROWS, SMALL_EPOCHS = "2500", "2"
 
 
 def _configurations_block() -> str:
-    section = README[README.index("## Other configurations"):]
-    return _bash_blocks(section)[0]
+    return _bash_blocks((ROOT / "docs" / "how-to" / "configurations.md").read_text())[0]
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:

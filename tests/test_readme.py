@@ -1,4 +1,5 @@
-"""The README is true: its first lines install and run, its by-hand flow trains the walkthrough's model."""
+"""The README and the docs are true: the README's first lines install and run, the by-hand flow trains the
+walkthrough's model, every page is in the site's nav and every link and path they name exists."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +21,17 @@ from parties.storage.layout import bank_folder, model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def _page(relative: str) -> str:
+    """A docs page's text, e.g. ``_page("how-to/by-hand.md")``."""
+    return (DOCS / relative).read_text()
+
+
+def _doc_files() -> list[Path]:
+    """README.md and every Markdown page of the docs site."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
 def _bash_blocks(text: str) -> list[str]:
@@ -53,9 +66,49 @@ def test_the_by_hand_flow_writes_nothing_git_would_pick_up(tmp_path: Path) -> No
 
 
 def test_the_readme_points_only_at_what_a_clone_has() -> None:
-    assert "../shared" not in README  # the developers' shared folder is not part of a clone
-    for path in re.findall(r"`((?:bank|parties|partner|alignment|data|notebooks|tests)/[\w./-]+\.(?:py|ipynb))`", README):
-        assert (ROOT / path).exists() or ".nbconvert." in path, f"the README names {path}, which does not exist"
+    """README.md and every docs page: no path outside a clone, and every module or notebook they name exists."""
+    assert len(_doc_files()) > 10, "the docs pages are missing"
+    for doc in _doc_files():
+        text, name = doc.read_text(), doc.relative_to(ROOT)
+        assert "../shared" not in text, name  # the developers' shared folder is not part of a clone
+        for path in re.findall(r"`((?:bank|parties|partner|alignment|data|notebooks|tests)/[\w./-]+\.(?:py|ipynb))`", text):
+            assert (ROOT / path).exists() or ".nbconvert." in path, f"{name} names {path}, which does not exist"
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as MkDocs (Python-Markdown's toc) writes it."""
+    text = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading)
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def _anchors(page: Path) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # a "# comment" in a block is no heading
+    return {_slug(h) for h in re.findall(r"^#{1,6} +(.+?) *$", prose, flags=re.M)}
+
+
+def test_every_docs_page_is_in_the_nav_and_every_relative_link_resolves() -> None:
+    """Cheap checks of what ``mkdocs build --strict`` would refuse, and of the README's links, which it never sees."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^docs_dir: docs$", config, flags=re.M)
+    in_nav = set(re.findall(r"^\s+- (?:[^\n]*?: )?([\w./-]+\.md)$", config, flags=re.M))
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert pages - in_nav == set(), f"docs pages missing from mkdocs.yml's nav: {sorted(pages - in_nav)}"
+    assert in_nav - pages == set(), f"mkdocs.yml's nav names pages that do not exist: {sorted(in_nav - pages)}"
+
+    for doc in _doc_files():
+        prose = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (doc.parent / path).resolve() if path else doc
+            where = f"{doc.relative_to(ROOT)} links to {target}"
+            assert resolved.is_file(), f"{where}, which does not exist"
+            if doc.is_relative_to(DOCS):
+                assert resolved.is_relative_to(DOCS), f"{where}, outside docs/ (the site cannot serve it)"
+            if anchor and resolved.suffix == ".md":
+                assert anchor in _anchors(resolved), f"{where}: {resolved.name} has no heading #{anchor}"
 
 
 def _free_port() -> int:
@@ -65,12 +118,11 @@ def _free_port() -> int:
 
 
 def _by_hand_block() -> str:
-    section = README[README.index("## The same flow by hand"):]
-    return _bash_blocks(section)[0]
+    return _bash_blocks(_page("how-to/by-hand.md"))[0]
 
 
 def _run_as_written(block: str, ports: dict[str, str], tmp_path: Path, adjust=lambda argv: argv) -> dict:
-    """Run a README block's commands as written, but for ``ports`` (fixed ones -> free ones) and ``adjust``
+    """Run a docs block's commands as written, but for ``ports`` (fixed ones -> free ones) and ``adjust``
     (argv -> argv); each ``serve`` in the background until it listens. Returns each other command's output by
     (module, command). The caller stops the services: they are in the returned ``"services"``."""
     services: list[subprocess.Popen[bytes]] = []
@@ -105,7 +157,7 @@ def _stop(services: list) -> None:
 
 
 def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Path, tmp_path: Path) -> None:
-    """Run the README's by-hand commands as written (on a slice, fewer epochs, free ports), then the walkthrough
+    """Run the by-hand commands as the docs write them (on a slice, fewer epochs, free ports), then the walkthrough
     with the same slice and epochs: every weight of every party and every test score must be equal."""
     rows, epochs = "3000", "2"
     ports = {"8443": str(_free_port()), "8444": str(_free_port())}
@@ -146,12 +198,11 @@ def test_the_by_hand_flow_as_written_trains_the_walkthroughs_model(bank_full: Pa
 
 
 def _own_data_block() -> str:
-    section = README[README.index("## Your own data"):]
-    return _bash_blocks(section)[0]
+    return _bash_blocks(_page("how-to/own-data.md"))[0]
 
 
 def test_the_own_data_flow_as_written_runs_on_pre_split_files(tmp_path: Path) -> None:
-    """The README's "Your own data" commands as written, on a bank's and a partner's files made the way two
+    """The "Your own data" commands as the docs write them, on a bank's and a partner's files made the way two
     organisations hold them (generic column names, integer IDs), free ports for its fixed ones."""
     from tests.test_own_files import write_pair
 

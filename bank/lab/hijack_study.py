@@ -61,7 +61,7 @@ HONEST = Attacker("honest bank", "honest")
 
 
 class StudyConfig:
-    """The slice, the training and the monitors of every run (defaults: the README's figures)."""
+    """The slice, the training and the monitors of every run (defaults: the figures of docs/explanation/privacy.md)."""
 
     def __init__(self, rows: int = 5000, epochs: int = 17, batch: int = 64, aux_rows: int = 5000,
                  monitor: MonitorConfig | None = None, probe_every: int = 5, probe_steps: int = 40,
@@ -189,7 +189,7 @@ def summarise(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def format_study(study: pd.DataFrame, config: StudyConfig, runs: int) -> str:
-    """The study's table as the README shows it: one row per bank."""
+    """The study's table as docs/explanation/privacy.md shows it: one row per bank."""
     def rate(row: pd.Series, test: str) -> str:
         return f"{row[f'{test}_alarm_rate']:.2f} [{row[f'{test}_alarm_low']:.2f}, {row[f'{test}_alarm_high']:.2f}]"
 

@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_TARGET_AUC", "WAN_MODES", "WanBench", "WanMode", "format_wan
            "time_to_target", "wan_bench_json"]
 
 #: Training settings compared on the same link: a name and its ``TrainingConfig`` overrides. ``efficient`` is
-#: the communication-efficient setting the README recommends for a WAN: int8 steps, four batches per round
+#: the communication-efficient setting docs/how-to/wan.md recommends for a WAN: int8 steps, four batches per round
 #: trip, eight more updates per round trip from the last two round trips' batches.
 WAN_MODES: dict[str, dict[str, Any]] = {
     "exact": {},
