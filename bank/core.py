@@ -33,7 +33,7 @@ from parties.settings import BankSettings
 from parties.tables.drift import judge_drift
 from parties.storage.files import atomic_write_bytes, atomic_write_text
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
-from parties.transport.client import client_for, make_channel
+from parties.transport.client import StepConnection, client_for
 from parties.transport.jobs import Job, JobRunner, Progress
 from parties.transport.tls import PeerIdentity
 
@@ -322,9 +322,9 @@ class BankCore:
         me = PeerIdentity(self.settings.name, "bank")
         urls = self.partners(names)
         return {
-            name: HttpPartner(name, url, client, channel=make_channel(
-                self.settings.tls_files(), url, expect=PeerIdentity(name, "partner"), caller=me,
-                timeout=self.settings.peer_timeout, poll=self.settings.step_poll_seconds,
+            name: HttpPartner(name, url, client, steps=StepConnection(
+                url, self.settings.tls_files(), expect=PeerIdentity(name, "partner"), caller=me,
+                timeout=self.settings.peer_timeout,
             ), retry_deadline=self.settings.peer_retry_deadline)
             for name, url in urls.items()
         }

@@ -5,7 +5,9 @@ The coordinator sees only ``bank.party.TrainingParty`` (for PSI, the
 ``HttpPartner`` implements all three over mutual TLS, with the messages and
 routes of ``parties.protocol``: it owns the retry policy (tenacity, one
 policy), its connections (an httpx client and, for steps, a kept-alive
-``Channel``; ``close`` or a ``with`` block ends them with the job), the byte
+``StepConnection``, on which a step is sent at once and its answer read later,
+so the bank computes while the partner does; ``close`` or a ``with`` block ends
+them with the job), the byte
 and round-trip counts, and the mapping of a partner's refusals to
 ``parties.errors``. ``bank.in_process_party.InProcessParty`` implements
 ``TrainingParty`` in the bank's own process; the same contract tests run
@@ -52,8 +54,7 @@ from parties.protocol.wire import SAFETENSORS
 from parties.tables.drift import Drift
 from parties.tables.encoding import Fallbacks
 from parties.tables.ids import IdType
-from parties.transport.channel import Channel
-from parties.transport.client import expect_server
+from parties.transport.client import StepConnection, expect_server
 from parties.transport.tls import handshake_failure
 
 __all__ = ["HttpPartner", "retry_policy"]
@@ -96,13 +97,13 @@ class HttpPartner:
         url: str,
         client: httpx.Client,
         *,
-        channel: Channel | None = None,
+        steps: StepConnection | None = None,
         wait_deadline: float = 600.0,
         retry_deadline: float = 60.0,
     ) -> None:
-        """``client`` carries every call but steps (and steps too without ``channel``); the caller owns the
-        client, this proxy owns ``channel`` and closes it in ``close``."""
-        self.name, self.url, self.client, self.channel = name, url.rstrip("/"), client, channel
+        """``client`` carries every call but steps (and steps too without ``steps``); the caller owns the
+        client, this proxy owns ``steps`` (the step connection) and closes it in ``close``."""
+        self.name, self.url, self.client, self.steps = name, url.rstrip("/"), client, steps
         self.wait_deadline = wait_deadline
         self.retry_deadline = retry_deadline  # how long a silent partner is retried before giving up
         self.retries = 0
@@ -121,8 +122,8 @@ class HttpPartner:
 
     def close(self) -> None:
         """Close this proxy's step connection for good: the job is over."""
-        if self.channel is not None:
-            self.channel.close()
+        if self.steps is not None:
+            self.steps.close()
 
     def __enter__(self) -> HttpPartner:
         return self
@@ -241,14 +242,17 @@ class HttpPartner:
 
     def _send_once(self, path: str, what: str, body: bytes) -> Callable[[], bytes]:
         """Send ``body`` now; the returned function waits for the answer."""
-        if self.channel is None:
+        if self.steps is None:
             content = self._call("POST", path, what, content=body, headers={"content-type": SAFETENSORS}).content
             return lambda: content
-        receive = self.channel.send(path, body, SAFETENSORS)
+        try:
+            receive = self.steps.send(path, body, SAFETENSORS)
+        except PeerUntrusted as exc:
+            raise PeerUntrusted(f"partner {self.name!r}: {exc}") from exc
 
         def finish() -> bytes:
-            response = receive()
-            return self._answered(response.status, len(body), response.content, what)
+            status, content = receive()
+            return self._answered(status, len(body), content, what)
 
         return finish
 

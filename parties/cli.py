@@ -144,16 +144,13 @@ def _add_transport_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, help="PSI worker processes (default: every core)")
     parser.add_argument("--min-intersection", type=int, default=None,
                         help=f"commit policy: refuse to keep fewer aligned rows (default {default_of(S, 'min_intersection')}); "
-                             "not a privacy control: the PSI budgets are (see the README)")
+                             "not a privacy control: the PSI budgets are (see docs/explanation/security.md)")
     parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
     parser.add_argument("--torch-threads", type=int, default=None,
                         help=f"intra-op threads for the model (default {default_of(S, 'torch_threads')})")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one machine "
                              "run best on CPUs of their own")
-    parser.add_argument("--step-poll-ms", type=float, default=None,
-                        help="while a training step is due, poll for it this long before sleeping "
-                             "(default: 2 with --cpus, else 0)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
@@ -161,7 +158,7 @@ def add_psi_limit_arguments(parser: argparse.ArgumentParser, peers: str) -> None
     """What a peer's PSI sessions may cost (``parties.settings.PsiLimits``); ``peers``: "bank" or "partner"."""
     from parties.limits import PsiLimits as L
 
-    g = parser.add_argument_group(f"what each {peers}'s PSI sessions may bring (README: security model)")
+    g = parser.add_argument_group(f"what each {peers}'s PSI sessions may bring (docs/explanation/security.md)")
     g.add_argument("--peer-max-ids", action="append", default=None, metavar=f"[{peers.upper()}=]N",
                    help=f"the most IDs a {peers} may bring to one PSI session: the set size the partnership agreed; "
                         f"NAME=N for one {peers}, N for every other; repeat (default: twice this party's own set)")
@@ -238,7 +235,7 @@ def _show_size(n: int | None) -> str:
 
 SERVICE_FIELDS = (
     "name", "data", "id_column", "id_type", "schema_file", "categorical", "numeric", "host", "port", "tls_dir", "tls_ca", "tls_cert", "tls_key",
-    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus", "step_poll_ms",
+    "insecure", "state_dir", "workers", "min_intersection", "ready_file", "torch_threads", "cpus",
 )
 
 

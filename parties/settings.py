@@ -66,11 +66,6 @@ class ServiceSettings(BaseSettings):
     cpus: tuple[int, ...] | None = Field(
         None, min_length=1, description="CPUs this service runs on (Linux); parties sharing a machine each get their own"
     )
-    step_poll_ms: float | None = Field(
-        None, ge=0, le=1000,
-        description="while a training step is due, poll for it this long before sleeping (0: always sleep); "
-        "default: 2 for a service given CPUs of its own (cpus), else 0",
-    )
 
     @classmethod
     def settings_customise_sources(
@@ -127,18 +122,6 @@ class ServiceSettings(BaseSettings):
 
         return load_party_table(self.data, self.id_column, schema_path=self.schema_file,
                                 categorical=self.categorical, numeric=self.numeric, id_type=self.id_type)
-
-    @property
-    def step_poll_seconds(self) -> float:
-        """How long to poll for a due training step before sleeping on it.
-
-        A sleeping virtual CPU takes tens of microseconds to wake, on every
-        step, so a service with CPUs of its own polls a little. One that
-        shares its CPUs would take them from the parties it waits for.
-        """
-        if self.step_poll_ms is not None:
-            return self.step_poll_ms / 1000
-        return 0.002 if self.cpus else 0.0
 
     @property
     def state_path(self) -> Path:

@@ -1,9 +1,8 @@
 """The one switch for speed code below a library's public API, and the version gate it sits behind.
 
-Two places reach into a library's internals for a measured gain:
-``parties.learning.fast_path`` (torch's kernels without their wrappers) and
-``parties.transport.fast_protocol`` (uvicorn's HTTP protocol, answering hot
-routes from the parser's callbacks). Each is active only when both hold:
+One place reaches into a library's internals for a measured gain:
+``parties.learning.fast_path`` (torch's kernels without their wrappers). It is
+active only when both hold:
 
 - the environment does not switch it off: ``CUTLAYER_FAST_PATH=0`` (or ``off``,
   ``false``, ``no``) switches every piece of it off; unset, it is on;

@@ -39,7 +39,7 @@ from bank.task import Task
 from bank.trainer import Coordinator
 from parties.learning.model import BottomConfig
 from parties.tables.table import load_alignment, load_party_table
-from parties.transport.client import make_channel, make_client
+from parties.transport.client import StepConnection, make_client
 from parties.transport.process import ServiceProcess
 from parties.transport.server import bind_socket
 from parties.transport.tls import PeerIdentity, TLSFiles
@@ -250,7 +250,7 @@ def run_bank(spec: BankSpec, fire: Callable[[Fault], None] | None = None) -> dic
         partners = []
         for name, url in spec.partners.items():
             proxy = TrippedPartner(name, url, client, retry_deadline=spec.retry_deadline,
-                                   channel=make_channel(tls, url, expect=PeerIdentity(name, "partner"), caller=me))
+                                   steps=StepConnection(url, tls, expect=PeerIdentity(name, "partner"), caller=me))
             proxy.party_name = name
             partners.append(proxy)
         own = InProcessParty("bank", table, lambda: alignment, BANK_BOTTOM,

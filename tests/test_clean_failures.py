@@ -16,9 +16,8 @@ import pytest
 from bank.http_partner import HttpPartner
 from bank.operator import BankOperator
 from parties.errors import PeerUntrusted
-from parties.transport.channel import Channel
-from parties.transport.client import make_client
-from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context
+from parties.transport.client import StepConnection, make_client
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 
 def _partner_csv(path: Path, rows: int) -> Path:
@@ -102,9 +101,9 @@ def test_a_partner_with_a_foreign_certificate_is_refused_at_once(pki: Path, rogu
         with pytest.raises(PeerUntrusted, match="partner 'partner' .* answered .*not from this partnership's CA"):
             proxy.open(2, 1024)
         assert time.monotonic() - started < 10  # not retried for the deadline: a certificate does not heal
-    channel = Channel(partner.url, client_ssl_context(rogue), expect=them)
-    with pytest.raises(PeerUntrusted, match="not from this partnership's CA"):
-        channel.send("/x", b"", "application/octet-stream")()
+    with StepConnection(partner.url, rogue, expect=them, caller=me) as steps:
+        with pytest.raises(PeerUntrusted, match="not from this partnership's CA"):  # on the step connection too
+            steps.send("/x", b"", "application/octet-stream")()
 
 
 def test_training_before_alignment_says_which_command_comes_first(pki: Path, start_bank, write_csv) -> None:

@@ -26,7 +26,7 @@ from parties.errors import PeerUnavailable
 from parties.learning.model import BottomConfig
 from parties.storage.checkpoint import checkpoint_steps, read_checkpoint
 from parties.tables.table import load_party_table
-from parties.transport.client import make_channel, make_client
+from parties.transport.client import StepConnection, make_client
 from parties.transport.process import ServiceProcess
 from parties.transport.server import bind_socket
 from parties.transport.tls import PeerIdentity, TLSFiles
@@ -92,7 +92,7 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(
     try:
         with make_client(tls, caller=me) as client, WorkerPool(1) as pool:
             def proxy(cls: type[HttpPartner] = HttpPartner) -> HttpPartner:
-                return cls("partner", url, client, channel=make_channel(tls, url, expect=them, caller=me), retry_deadline=60)
+                return cls("partner", url, client, steps=StepConnection(url, tls, expect=them, caller=me), retry_deadline=60)
 
             alignment, _ = align_with_partners(table, {"partner": proxy()}, pool)
             clean = _coordinator(table, alignment, proxy(), config, tmp_path / "bank", "clean").run()
@@ -140,7 +140,7 @@ def test_a_partner_down_past_the_deadline_stops_training_with_a_clear_message(pk
                         partner.process.proc.wait()
                     return super().submit_step(step, *args, **kwargs)  # type: ignore[arg-type]
 
-            dying = DyingPartner("partner", url, client, channel=make_channel(tls, url, expect=them, caller=me),
+            dying = DyingPartner("partner", url, client, steps=StepConnection(url, tls, expect=them, caller=me),
                                  retry_deadline=1.5)
             config = TrainingConfig(epochs=2, batch_size=64, checkpoint_every=5)
             coordinator = _coordinator(table, alignment, dying, config, tmp_path / "bank", "s")

@@ -10,20 +10,20 @@ from bank.config import TrainingConfig
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerUnavailable
 from parties.learning.model import BottomConfig
-from parties.transport.channel import Channel, ChannelResponse
+from parties.transport.client import StepConnection
 from tests.training_helpers import federation, saved, state_equal
 
 BOTTOMS = {"bank": BottomConfig(cut_width=8, seed=1), "partner": BottomConfig(hidden=(16,), cut_width=8, seed=2)}
 
 
-class FaultyChannel(Channel):
-    """A real channel to the real partner that loses, repeats and delays messages on cue."""
+class FaultyConnection(StepConnection):
+    """A real step connection to the real partner that loses, repeats and delays messages on cue."""
 
     def __init__(self, *args: object, faults: dict[int, str], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.faults, self.calls, self.injected = faults, 0, []
 
-    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], ChannelResponse]:
+    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], tuple[int, bytes]]:
         self.calls += 1
         fault = self.faults.get(self.calls)
         if fault == "duplicate":  # the partner gets the request twice; the first answer is thrown away
@@ -33,15 +33,15 @@ class FaultyChannel(Channel):
         receive = super().send(path, body, content_type)
         if fault == "drop":  # the partner processed it, but the answer never arrives
 
-            def dropped() -> ChannelResponse:
+            def dropped() -> tuple[int, bytes]:
                 receive()
-                self.close_connection()
+                self.close()
                 raise PeerUnavailable("answer lost (injected)")
 
             return self._note(fault, dropped)
         return self._note(fault, receive) if fault else receive
 
-    def _note(self, fault: str, fn: Callable[[], ChannelResponse]) -> Callable[[], ChannelResponse]:
+    def _note(self, fault: str, fn: Callable[[], tuple[int, bytes]]) -> Callable[[], tuple[int, bytes]]:
         self.injected.append(fault)
         return fn
 
@@ -52,18 +52,18 @@ def test_faults_on_the_wire_do_not_change_the_model(pki, bank_full: Path, tmp_pa
     faults = {3: "drop", 4: "duplicate", 7: "delay", 9: "drop", 10: "drop", 15: "duplicate", 22: "drop"}
     with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
         clean = fed.coordinator(config, BOTTOMS["bank"]).run()
-        channels: list[FaultyChannel] = []
+        connections: list[FaultyConnection] = []
 
-        def faulty(*args: object, **kwargs: object) -> FaultyChannel:
-            channels.append(FaultyChannel(*args, faults=faults, **kwargs))
-            return channels[-1]
+        def faulty(*args: object, **kwargs: object) -> FaultyConnection:
+            connections.append(FaultyConnection(*args, faults=faults, **kwargs))
+            return connections[-1]
 
-        fed.channel_factory = faulty
+        fed.step_connection = faulty
         coordinator = fed.coordinator(config, BOTTOMS["bank"])
         noisy = coordinator.run()
         partner = coordinator.parties[1]
 
-    assert sorted(channels[0].injected) == sorted(faults.values())
+    assert sorted(connections[0].injected) == sorted(faults.values())
     assert partner.retries == 4  # one per lost answer
     models = fed.partner_core("partner").banks["bank"].folder / "models"
     for folder in (tmp_path / "bank-models", models):
@@ -73,7 +73,7 @@ def test_faults_on_the_wire_do_not_change_the_model(pki, bank_full: Path, tmp_pa
 
 
 def test_both_client_stacks_keep_one_contract(pki, bank_full: Path, tmp_path: Path, start_partner) -> None:
-    """Steps over the kept-alive channel or over httpx: the same model, the same counts of bytes and round trips."""
+    """Steps on the step connection or over httpx: the same model, the same counts of bytes and round trips."""
     paths = prepare_bank_marketing(tmp_path / "data", rows=800, cache=bank_full.parent, download=False)
     config = TrainingConfig(epochs=1, batch_size=64, restore_best=False)
     with federation(pki, paths, start_partner, tmp_path, BOTTOMS) as fed:
@@ -83,7 +83,7 @@ def test_both_client_stacks_keep_one_contract(pki, bank_full: Path, tmp_path: Pa
             coordinator = fed.coordinator(config, BOTTOMS["bank"])
             outcomes.append(coordinator.run())
             partner = coordinator.parties[1]
-            assert (partner.channel is None) is over_httpx
+            assert (partner.steps is None) is over_httpx
             counts.append((partner.round_trips, partner.bytes_sent, partner.bytes_received))
             partner.close()
     models = fed.partner_core("partner").banks["bank"].folder / "models"

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import APIRouter, FastAPI
 from starlette.datastructures import State
 
-from parties import speed
 from parties.errors import Forbidden, OutOfOrder
 from parties.settings import PartnerSettings
 from parties.transport.access import identify
@@ -149,16 +146,10 @@ def _count_asgi(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_this_pass_runs_the_protocol_its_switch_names(
+def test_hot_routes_answer_through_asgi_on_one_kept_alive_connection(
     server: ServerThread, pki: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CI runs the tests with ``CUTLAYER_FAST_PATH`` on and off: each pass must serve with the protocol it names.
-
-    The fast protocol answers hot routes from the parser's callbacks; uvicorn's own sends them through ASGI."""
-    gate = server.server.speed
-    assert gate.active is speed.switched_on(), (
-        f"{gate}: with the switch on, uvicorn {uvicorn.__version__} must be a verified version; verify "
-        "parties/transport/fast_protocol.py on it (test_hotpath, test_service_edges) and add it to server.VERIFIED")
+    """Every exchange, refused ones too, goes through ``HotPath.handle`` on uvicorn's own protocol."""
     asgi = _count_asgi(monkeypatch)
     with _client(pki, "bank", server.url) as client:
         for i in range(3):  # one kept-alive connection, several exchanges
@@ -168,7 +159,7 @@ def test_this_pass_runs_the_protocol_its_switch_names(
         assert client.post("/things/abc/echo", content=b"after").status_code == 200
         closing = client.post("/things/abc/echo", content=b"bye", headers={"connection": "close"})
         assert closing.status_code == 200 and closing.headers["connection"] == "close"
-    assert len(asgi) == (0 if gate.active else 6)
+    assert asgi == ["/things/abc/echo"] * 6
 
 
 def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None:
@@ -198,30 +189,6 @@ def test_the_asgi_path_gives_the_same_answers(pki: Path, tmp_path: Path) -> None
     assert run([b"x"], method="PUT")[0] == 405
 
 
-def test_busy_polling_keeps_serving_and_ends_at_its_deadline() -> None:
-    from parties.transport.fast_protocol import _BusyPoll
-
-    async def scenario() -> tuple[float, float, bool]:
-        loop = asyncio.get_running_loop()
-        poll = _BusyPoll()
-        poll.extend(0.02)
-        first = poll.task
-        fired = loop.create_future()
-        started = loop.time()
-        loop.call_later(0.005, lambda: fired.set_result(loop.time() - started))
-        late = await fired  # other work is served while the loop polls
-        poll.extend(0.02)  # a new step: the same task polls on
-        same = poll.task is first
-        assert first is not None
-        await first
-        return late, loop.time() - started, same
-
-    late, polled, same = asyncio.run(scenario())
-    assert 0.005 <= late < 0.015
-    assert polled >= 0.025  # 5 ms in, extended by 20 ms
-    assert same
-
-
 def test_work_after_the_answer_runs_before_the_next_request(server: ServerThread, pki: Path) -> None:
     AFTER.clear()
     with _client(pki, "bank", server.url) as client:
@@ -231,42 +198,13 @@ def test_work_after_the_answer_runs_before_the_next_request(server: ServerThread
     assert AFTER == [b"after", b"after"]
 
 
-@pytest.mark.parametrize(
-    ("extra", "seconds"),
-    [({}, 0.0), ({"cpus": (0,)}, 0.002), ({"cpus": (0,), "step_poll_ms": 0}, 0.0), ({"step_poll_ms": 5}, 0.005)],
-    ids=["shared-cpus", "own-cpus", "own-cpus-off", "explicit"],
-)
-def test_services_poll_for_steps_only_on_cpus_of_their_own(
-    pki: Path, tmp_path: Path, extra: dict[str, object], seconds: float
-) -> None:
-    assert _settings(pki, tmp_path, **extra).step_poll_seconds == seconds
-
-
-# --- uvicorn's own protocol, wherever the fast one may not run -------------------------------------
-
-
-@pytest.mark.parametrize("why", ["unverified-uvicorn", "unverified-httptools", "switched-off"])
-def test_an_unverified_server_serves_with_uvicorns_own_protocol(
-    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
-) -> None:
-    """A newer uvicorn must not meet this project's subclass of its internals: its own protocol serves, with
-    the same identities, answers and refusals, and the fast protocol's module is never imported."""
-    import httptools
-
-    monkeypatch.setenv(speed.ENV_VAR, "0" if why == "switched-off" else "1")
-    if why == "unverified-uvicorn":
-        monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
-    elif why == "unverified-httptools":
-        monkeypatch.setattr(httptools, "__version__", "0.99.1")
-    monkeypatch.setitem(sys.modules, "parties.transport.fast_protocol", None)  # importing it would fail
+def test_hot_and_cold_routes_share_identities_and_refusals(pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same certificate names the caller on a hot route and on FastAPI's; a caller who may not call gets
+    403 and a closed connection, a body over the limit 413."""
     settings = _settings(pki, tmp_path)
     thread = ServerThread(_app(settings), settings.tls_files()).start()
     asgi = _count_asgi(monkeypatch)
     try:
-        gate = thread.server.speed
-        assert not gate.active
-        assert {"unverified-uvicorn": "uvicorn 0.99.0 not verified", "unverified-httptools": "httptools 0.99.1 not "
-                "verified", "switched-off": "CUTLAYER_FAST_PATH='0'"}[why] in gate.reason
         with _client(pki, "bank", thread.url) as client:
             for i in range(3):
                 assert client.post("/things/abc/echo", content=b"p%d" % i).content == b"bank:bank:abc:state:p%d" % i
@@ -278,22 +216,17 @@ def test_an_unverified_server_serves_with_uvicorns_own_protocol(
             assert refused.headers["connection"] == "close"
         with _client(pki, "bank", thread.url) as client:
             assert client.post("/things/abc/echo", content=b"x" * (LIMIT + 1)).status_code == 413
-        assert asgi == ["/things/abc/echo"] * 5  # the hot routes went through ASGI
+        assert asgi == ["/things/abc/echo"] * 5
     finally:
         thread.stop()
 
 
-@pytest.mark.parametrize("switch", ["1", "0"], ids=["fast-protocol", "uvicorns-protocol"])
-def test_each_connection_keeps_its_own_caller(
-    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str
-) -> None:
+def test_each_connection_keeps_its_own_caller(pki: Path, tmp_path: Path) -> None:
     """Callers on open connections side by side are each told apart (uvicorn's own protocol finds a request's
     certificate by its connection's addresses)."""
-    monkeypatch.setenv(speed.ENV_VAR, switch)
     settings = _settings(pki, tmp_path)
     thread = ServerThread(_app(settings), settings.tls_files()).start()
     try:
-        assert thread.server.speed.active is (switch == "1")
         with _client(pki, "bank", thread.url) as bank, _client(pki, "partner2", thread.url) as partner, \
                 _client(pki, "bank2", thread.url) as bank2:
             for i in range(3):

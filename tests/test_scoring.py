@@ -152,7 +152,7 @@ def test_jobs_leave_no_connection_to_the_partner_open(trained, tmp_path: Path, m
     monkeypatch.setattr(bank.core, "HttpPartner", Held)
     path, _ = _new_customers(paths, result, tmp_path)
     op.wait(op.start_scoring(result["session"], path.read_bytes()))
-    assert held and all(p.channel is not None and p.round_trips > 0 for p in held)
+    assert held and all(p.steps is not None and p.round_trips > 0 for p in held)
     port = int(partner.url.rsplit(":", 1)[1])
     open_to_partner = [line for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
                        if line.split()[2] == f"0100007F:{port:04X}" and line.split()[3] == "01"]

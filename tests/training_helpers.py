@@ -23,11 +23,10 @@ from bank.trainer import Coordinator
 from parties.learning.model import BottomConfig
 from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, PartyTable, load_party_table
-from parties.transport.channel import Channel
-from parties.transport.client import make_client
+from parties.transport.client import StepConnection, make_client
 from parties.transport.process import ServiceProcess
 from parties.transport.server import ServerThread
-from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 
 @dataclass
@@ -43,17 +42,18 @@ class Federation:
     def partner_core(self, name: str):
         return self.partners[name].app.state.core
 
-    channel_factory: Callable[..., Channel] | None = None
+    step_connection: Callable[..., StepConnection] | None = None  # e.g. one that injects faults
     steps_over_httpx: bool = False  # the proxy's other client stack: steps too go through the httpx client
 
     def proxies(self) -> list[HttpPartner]:
-        """Partner proxies as the bank builds them: control calls over httpx, steps over a channel."""
-        factory = self.channel_factory or Channel
+        """Partner proxies as the bank builds them: control calls over httpx, steps on a step connection."""
+        factory = self.step_connection or StepConnection
+        me = PeerIdentity("bank", "bank")
         out = []
         for name, server in self.partners.items():
-            channel = None if self.steps_over_httpx else factory(
-                server.url, client_ssl_context(self.tls), expect=PeerIdentity(name, "partner"))
-            out.append(HttpPartner(name, server.url, self.client, channel=channel, retry_deadline=20))
+            steps = None if self.steps_over_httpx else factory(
+                server.url, self.tls, expect=PeerIdentity(name, "partner"), caller=me)
+            out.append(HttpPartner(name, server.url, self.client, steps=steps, retry_deadline=20))
         return out
 
     def coordinator(self, config: TrainingConfig, bank_bottom: BottomConfig | None = None) -> Coordinator:

@@ -14,8 +14,8 @@ reported is the median of the rounds' ratios, each from the median epoch.
 Per step, the bench also times the wire alone (``bank.lab.wire_floor``): a bare
 mutual-TLS round trip of one step's tensor bytes between the same two CPUs.
 
-It records which speed code ran (``parties.speed``): the services inherit this
-process's environment and libraries, so they decide as it does.
+It records whether the torch fast path ran (``parties.speed``): the services
+inherit this process's environment and libraries, so they decide as it does.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from parties.learning import fast_path
 from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, load_party_table
 from parties.transport.process import ServiceProcess
-from parties.transport.server import protocol_gate
 from parties.transport.tls import TLSFiles, write_dev_pki
 
 __all__ = ["TrainingBench", "run_training_bench"]
@@ -217,7 +216,7 @@ def run_training_bench(
         split_step_seconds=round(float(np.median(split_steps)) / round_trips, 6),
         unsplit_step_seconds=round(float(np.median(unsplit_steps)) / (round_trips - 1), 6),
         wire_floor_seconds=round(floor, 6),
-        speed_code=(str(fast_path.status()), str(protocol_gate())),
+        speed_code=(str(fast_path.status()),),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -12,7 +14,12 @@ from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport.tls import ROLES, PeerIdentity, peer_identity
 
-__all__ = ["CLOSING_STATUSES", "check_declared_length", "ensure_role", "identify", "peer_detail", "read_limited"]
+__all__ = [
+    "CLOSING_STATUSES", "Refusal", "check_declared_length", "ensure_role", "identify", "peer_detail", "read_limited",
+    "refusal",
+]
+
+logger = logging.getLogger("parties.transport.app")
 
 #: Refusals after which the connection closes: a caller who may not call, or a body over the limit.
 #: Keeping the connection would mean reading (and dropping) the rest of the body, however large:
@@ -43,6 +50,32 @@ def peer_detail(settings: ServiceSettings, exc: CutlayerError) -> str:
     for folder in sorted({str(settings.state_path.resolve()), str(settings.state_path)}, key=len, reverse=True):
         text = text.replace(folder, "<state>")
     return text
+
+
+class Refusal:
+    """An answer that refuses a request: its status, its JSON body (``error``, ``detail``) and its headers."""
+
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(self, status: int, kind: str, detail: str) -> None:
+        self.status = status
+        self.body = json.dumps({"error": kind, "detail": detail}).encode()
+        self.headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body))]
+        if status in CLOSING_STATUSES:  # uvicorn closes the connection once answered, instead of reading on
+            self.headers.append((b"connection", b"close"))
+
+
+def refusal(settings: ServiceSettings, exc: CutlayerError, scope: Mapping[str, Any]) -> Refusal:
+    """The one translation of a domain error into an answer, for FastAPI routes and hot routes alike: logged
+    (a caller who may not call at warning level, with its address), the reason without this party's paths."""
+    method, path = scope.get("method", "?"), scope.get("path", "?")
+    if exc.status_code == 403:  # someone who may not call: worth an operator's attention
+        client = scope.get("client")
+        peer = f"{client[0]}:{client[1]}" if client else "?"
+        logger.warning("%s %s from %s refused: %s", method, path, peer, exc)
+    else:
+        logger.info("%s %s refused: %s", method, path, type(exc).__name__)
+    return Refusal(exc.status_code, type(exc).__name__, peer_detail(settings, exc))
 
 
 def ensure_role(identity: PeerIdentity, role: str) -> PeerIdentity:

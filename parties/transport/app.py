@@ -13,12 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from parties.errors import CutlayerError, Forbidden
 from parties.protocol.common import HEALTH, IDENTITY, Identity
 from parties.settings import ServiceSettings
-from parties.transport.access import CLOSING_STATUSES, ensure_role, identify, peer_detail, read_limited
+from parties.transport.access import Refusal, ensure_role, identify, read_limited, refusal
 from parties.transport.hot_routes import HotPath, HotRoute
 from parties.transport.tls import PeerIdentity
 
@@ -70,10 +70,13 @@ class PartyApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _error(status: int, kind: str, detail: str) -> JSONResponse:
-    # ``connection: close`` makes uvicorn close the connection once answered, instead of reading on.
-    headers = {"connection": "close"} if status in CLOSING_STATUSES else None
-    return JSONResponse(status_code=status, content={"error": kind, "detail": detail}, headers=headers)
+def _answer(refused: Refusal) -> Response:
+    headers = {k.decode(): v.decode() for k, v in refused.headers if k != b"content-length"}
+    return Response(refused.body, status_code=refused.status, headers=headers)
+
+
+def _error(status: int, kind: str, detail: str) -> Response:
+    return _answer(Refusal(status, kind, detail))
 
 
 def create_party_app(
@@ -89,23 +92,18 @@ def create_party_app(
         app.hot = HotPath(hot_routes, settings, app.state)
 
     @app.exception_handler(CutlayerError)
-    async def _domain_error(request: Request, exc: CutlayerError) -> JSONResponse:
-        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
-            peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
-            logger.warning("%s %s from %s refused: %s", request.method, request.url.path, peer, exc)
-        else:
-            logger.info("%s %s refused: %s", request.method, request.url.path, type(exc).__name__)
-        return _error(exc.status_code, type(exc).__name__, peer_detail(settings, exc))
+    async def _domain_error(request: Request, exc: CutlayerError) -> Response:
+        return _answer(refusal(settings, exc, request.scope))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         )
         return _error(422, "InvalidRequest", problems)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected error in %s %s", request.method, request.url.path)
         return _error(500, "InternalError", "the service failed; see its log")
 

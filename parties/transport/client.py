@@ -1,17 +1,41 @@
-"""The calling side of mutual TLS: an httpx client that presents our certificate and checks the peer's."""
+"""The calling side of mutual TLS: clients that present our certificate and check the peer's.
+
+Every call goes through httpx, but training steps: those go through a
+``StepConnection``, the standard library's ``http.client`` on one kept-alive
+connection. A step's request is sent at once and its answer read when the
+bank needs it, so the bank computes its own part while the partner computes
+its part, with no thread; httpx's synchronous API sends and reads in one call
+(measured on loopback with 64 KB each way: httpx 0.60-0.73 ms a round trip,
+``http.client`` 0.32-0.33 ms, the bare TLS socket 0.18 ms).
+"""
 
 from __future__ import annotations
 
+import http.client
+import socket
+from collections.abc import Callable
+from types import TracebackType
+from urllib.parse import urlsplit
+
 import httpx
 
-from parties.errors import PeerError
+from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport import sockets
-from parties.transport.channel import Channel
-from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context, peer_identity
+from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context, handshake_failure, peer_identity
 
-__all__ = ["client_for", "expect_server", "make_channel", "make_client", "server_identity"]
+__all__ = ["StepConnection", "client_for", "expect_server", "make_client", "party_transport", "server_identity"]
+
+
+def party_transport(tls: TLSFiles | None) -> httpx.HTTPTransport:
+    """httpx's transport with our certificate, the partnership's CA and the TCP options of
+    ``parties.transport.sockets`` (TCP_NODELAY and a loss-based congestion control: each costs a round trip
+    per step otherwise)."""
+    return httpx.HTTPTransport(
+        verify=client_ssl_context(tls) if tls is not None else True,  # plain http: nothing to verify
+        socket_options=sockets.socket_options(),
+    )
 
 
 def make_client(
@@ -25,15 +49,9 @@ def make_client(
     headers = {}
     if tls is None and caller is not None:
         headers[CALLER_HEADER] = f"{caller.role}:{caller.name}"
-    # TCP_NODELAY and a loss-based congestion control: each costs a round trip per step otherwise
-    # (``parties.transport.sockets``).
-    transport = httpx.HTTPTransport(
-        verify=client_ssl_context(tls) if tls is not None else True,  # plain http: nothing to verify
-        socket_options=sockets.socket_options(),
-    )
     return httpx.Client(
         base_url=base_url,
-        transport=transport,
+        transport=party_transport(tls),
         headers=headers,
         timeout=httpx.Timeout(timeout, connect=10.0),
         trust_env=False,  # party traffic never goes through a proxy from the environment
@@ -71,11 +89,115 @@ def expect_server(response: httpx.Response, name: str, role: str) -> None:
         )
 
 
-def make_channel(
-    tls: TLSFiles | None, url: str, *, expect: PeerIdentity, caller: PeerIdentity, timeout: float = 600.0,
-    poll: float = 0.0,
-) -> Channel:
-    """A hot-path channel to ``url`` that presents our certificate and insists on ``expect``'s."""
-    headers = {CALLER_HEADER: f"{caller.role}:{caller.name}"} if tls is None else {}
-    context = client_ssl_context(tls) if tls is not None else None
-    return Channel(url, context, expect=expect, headers=headers, timeout=timeout, poll=poll)
+class _Connection(http.client.HTTPConnection):
+    """``http.client``'s connection, connecting with the party options: TCP (``sockets.connect``), then TLS with
+    our certificate, and only to the peer ``expect`` names."""
+
+    def __init__(self, host: str, port: int, timeout: float, tls: TLSFiles | None, expect: PeerIdentity) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.context = client_ssl_context(tls) if tls is not None else None
+        self.expect = expect
+
+    def connect(self) -> None:
+        sock: socket.socket = sockets.connect(self.host, self.port, self.timeout)  # type: ignore[arg-type]
+        try:
+            if self.context is not None:
+                sock = self.context.wrap_socket(sock, server_hostname=self.host)
+                identity = peer_identity(sock.getpeercert())  # type: ignore[attr-defined]
+                if identity != self.expect:
+                    raise PeerError(f"expected {self.expect.role} {self.expect.name!r} at {self.host}:{self.port}, "
+                                    f"but its certificate names {identity}")
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class StepConnection:
+    """One kept-alive connection to ``url`` for training steps; it reconnects (and re-checks the peer) when it drops.
+
+    ``send`` puts a POST on its way and returns a function that reads its
+    answer: between the two the caller is free to compute. One request is in
+    flight at a time; sending again before the last answer was read (the
+    caller failed in between) drops that connection and its answer. A failed
+    exchange closes the connection and raises ``PeerUnavailable`` (or
+    ``PeerUntrusted``); nothing is ever resent here.
+    """
+
+    def __init__(self, url: str, tls: TLSFiles | None, *, expect: PeerIdentity, caller: PeerIdentity,
+                 timeout: float = 600.0, max_response_bytes: int = 64 << 20) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or parts.hostname is None:
+            raise PeerError(f"{url!r} is not an http(s) URL")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.where = f"{parts.hostname}:{port}"
+        self.connection = _Connection(parts.hostname, port, timeout, tls if parts.scheme == "https" else None, expect)
+        self.headers = {CALLER_HEADER: f"{caller.role}:{caller.name}"} if tls is None else {}
+        self.max_response_bytes = max_response_bytes
+        self._pending: object | None = None  # the exchange whose answer is unread
+        self._closed = False
+
+    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], tuple[int, bytes]]:
+        """POST ``body`` now; the returned function waits for the answer: ``(status, body)``."""
+        if self._closed:
+            raise PeerUnavailable(f"the step connection to {self.where} is closed")
+        if self._pending is not None:
+            self.connection.close()  # its answer was never read: the connection is mid-response
+        self._pending = None
+        try:
+            self.connection.request("POST", path, body, {**self.headers, "content-type": content_type})
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._failed(exc) from exc
+        except BaseException:
+            self.connection.close()
+            raise
+        exchange = self._pending = object()
+
+        def receive() -> tuple[int, bytes]:
+            if self._pending is not exchange:
+                raise PeerUnavailable(f"{self.where}: the answer was dropped (the connection was closed or used "
+                                      "again before it was read)")
+            self._pending = None
+            limit = self.max_response_bytes
+            try:
+                response = self.connection.getresponse()
+                declared = response.getheader("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise PeerError(f"{self.where} announced {declared} bytes for a step's answer; at most {limit} "
+                                    "are read")
+                content = response.read(limit + 1)
+                if len(content) > limit:
+                    raise PeerError(f"{self.where} sent a step's answer over {limit} bytes")
+                if response.will_close or not response.isclosed():  # closing, or more than it announced
+                    self.connection.close()
+                return response.status, content
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._failed(exc) from exc
+            except BaseException:
+                self.connection.close()  # interrupted mid-answer: the connection cannot be reused
+                raise
+
+        return receive
+
+    def _failed(self, exc: OSError | http.client.HTTPException) -> PeerError:
+        """Close the connection; the error to raise for ``exc``."""
+        self.connection.close()
+        untrusted = handshake_failure(exc)
+        if untrusted:
+            return PeerUntrusted(f"{self.where} answered, but {untrusted}")
+        return PeerUnavailable(f"{self.where} did not answer: {exc}")
+
+    def post(self, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+        return self.send(path, body, content_type)()
+
+    def close(self) -> None:
+        """Close the connection for good: a later ``send`` is refused."""
+        self._closed = True
+        self._pending = None
+        self.connection.close()
+
+    def __enter__(self) -> StepConnection:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,24 +1,18 @@
-"""Per-step endpoints, answered before FastAPI's middleware stack and router, and below ASGI where possible.
+"""Per-step endpoints: plain ASGI routes, answered before FastAPI's middleware stack and router.
 
 A training step is one small request, sent thousands of times per epoch, and
-the bank waits for every answer. FastAPI's middleware, router and request
-objects cost more per call than the step's own checks, and so do ASGI's
-per-request task, events and two writes for a response's head and body. A
-``HotRoute`` is matched on its path first and gets exactly the same treatment
-as any other route: the caller is identified from the same certificate
-(``parties.transport.access.identify``), the body is held to the same limit, and domain
-errors become the same JSON answers with the same status codes.
-
-A ``HotExchange`` is one such request, fed its body as it arrives. The
-service's HTTP protocol (``parties.transport.fast_protocol``) drives it directly from the
-parser's callbacks and writes the answer in one piece; ``HotPath.handle``
-drives the same exchange through ASGI, for any other server. Everything
-else goes to the FastAPI app unchanged.
+the bank waits for every answer. FastAPI's middleware, router, request objects
+and validation cost more per call than the step's own checks. A ``HotRoute``
+is matched on its path first (``parties.transport.app.PartyApp``) and gets
+exactly the same treatment as any other route: the caller is identified from
+the same certificate (``parties.transport.access.identify``), the body is held
+to the same limit, and domain errors become the same answers
+(``parties.transport.access.refusal``). Everything else goes to the FastAPI
+app unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -29,12 +23,11 @@ from starlette.datastructures import State
 from starlette.routing import compile_path
 
 from parties.errors import CutlayerError, PayloadTooLarge
-from parties.protocol import http
 from parties.settings import ServiceSettings
-from parties.transport.access import CLOSING_STATUSES, check_declared_length, ensure_role, identify, peer_detail
+from parties.transport.access import Refusal, check_declared_length, ensure_role, identify, refusal
 from parties.transport.tls import PeerIdentity
 
-__all__ = ["HotExchange", "HotPath", "HotRequest", "HotResponse", "HotRoute"]
+__all__ = ["HotPath", "HotRequest", "HotResponse", "HotRoute"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +62,8 @@ class HotResponse:
             logger.exception("after answering %s %s", scope["method"], scope["path"])
 
     @property
-    def closes(self) -> bool:
-        """Whether the connection closes after this answer (``parties.transport.access.CLOSING_STATUSES``)."""
-        return self.status in CLOSING_STATUSES
-
     def headers(self) -> list[tuple[bytes, bytes]]:
-        headers = [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
-        if self.closes:
-            headers.append((b"connection", b"close"))
-        return headers
-
-    def http(self, extra: Sequence[tuple[bytes, bytes]] = (), *, close: bool = False) -> bytes:
-        """The whole HTTP/1.1 response, head and body, to write at once."""
-        return http.response(self.status, [*extra, *self.headers()], self.body, close=close and not self.closes)
+        return [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", b"%d" % len(self.body))]
 
 
 @dataclass(frozen=True)
@@ -102,7 +84,7 @@ class HotRoute:
         return compile_path(self.path)[0]
 
 
-class HotExchange:
+class _Exchange:
     """One request to a hot route: checked on its head, fed its body, answered once.
 
     ``answer`` is set as soon as the answer is known: at once for a caller
@@ -114,9 +96,9 @@ class HotExchange:
         self.path, self.route, self.params, self.scope = path, route, params, scope
         self.parts: list[bytes] = []
         self.size = 0
-        self.answer: HotResponse | None = None
+        self.answer: HotResponse | Refusal | None = None
         if scope["method"] != route.method:
-            self.answer = _error(405, "MethodNotAllowed", f"{scope['path']} answers {route.method} only")
+            self.answer = Refusal(405, "MethodNotAllowed", f"{scope['path']} answers {route.method} only")
             return
         try:
             self.caller = ensure_role(identify(path.settings, scope), route.role)
@@ -136,7 +118,7 @@ class HotExchange:
             return
         self.parts.append(chunk)
 
-    def finish(self) -> HotResponse:
+    def finish(self) -> HotResponse | Refusal:
         if self.answer is None:
             body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
             self.parts = []
@@ -146,17 +128,11 @@ class HotExchange:
                 self.answer = self._refusal(exc)
             except Exception:
                 logger.exception("unexpected error in %s %s", self.scope["method"], self.scope["path"])
-                self.answer = _error(500, "InternalError", "the service failed; see its log")
+                self.answer = Refusal(500, "InternalError", "the service failed; see its log")
         return self.answer
 
-    def _refusal(self, exc: CutlayerError) -> HotResponse:
-        if exc.status_code == 403:  # someone who may not call: worth an operator's attention
-            client = self.scope.get("client")
-            peer = f"{client[0]}:{client[1]}" if client else "?"
-            logger.warning("%s %s from %s refused: %s", self.scope["method"], self.scope["path"], peer, exc)
-        else:
-            logger.info("%s %s refused: %s", self.scope["method"], self.scope["path"], type(exc).__name__)
-        return _error(exc.status_code, type(exc).__name__, peer_detail(self.path.settings, exc))
+    def _refusal(self, exc: CutlayerError) -> Refusal:
+        return refusal(self.path.settings, exc, self.scope)
 
 
 class HotPath:
@@ -174,14 +150,9 @@ class HotPath:
                 return route, m.groupdict()
         return None
 
-    def begin(self, scope: Scope) -> HotExchange | None:
-        """An exchange for a request to a hot path (its head in ``scope``), or ``None`` for the app's."""
-        found = self.match(scope)
-        return None if found is None else HotExchange(self, *found, scope)
-
     async def handle(self, route: HotRoute, params: dict[str, str], scope: Scope, receive: Receive, send: Send) -> None:
-        """The exchange through ASGI, for servers other than this project's own protocol."""
-        exchange = HotExchange(self, route, params, scope)
+        """One request, through ASGI."""
+        exchange = _Exchange(self, route, params, scope)
         more = exchange.answer is None
         while more:
             message = await receive()
@@ -190,10 +161,7 @@ class HotPath:
             exchange.feed(message.get("body", b""))
             more = message.get("more_body", False) and exchange.answer is None
         response = exchange.finish()
-        await send({"type": "http.response.start", "status": response.status, "headers": response.headers()})
+        await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
         await send({"type": "http.response.body", "body": response.body})
-        response.run_after(scope)
-
-
-def _error(status: int, kind: str, detail: str) -> HotResponse:
-    return HotResponse(json.dumps({"error": kind, "detail": detail}).encode(), "application/json", status)
+        if isinstance(response, HotResponse):
+            response.run_after(scope)

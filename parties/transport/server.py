@@ -7,21 +7,15 @@ also cuts off a client whose request head or body trickles in past its time
 (uvicorn bounds only the idle time between requests). The TLS handshake comes
 first, in ``parties.transport.edges``, so refused handshakes are logged.
 
-Two HTTP protocols do that, with the same answers:
-
-- ``parties.transport.fast_protocol`` extends uvicorn's protocol from the inside
-  and answers the hot routes from the parser's callbacks, without ASGI. It runs
-  only on the uvicorn and httptools versions it was verified against
-  (``VERIFIED``), with ``CUTLAYER_FAST_PATH`` on (``parties.speed``);
-- ``parties.transport.stock`` runs uvicorn's own protocol, through public
-  interfaces only, and the hot routes through ASGI: everywhere else.
+The HTTP protocol is uvicorn's own, wrapped through public interfaces only
+(``parties.transport.stock``); a training step is a plain ASGI route
+(``parties.transport.hot_routes``) answered before FastAPI's stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -33,22 +27,15 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import httptools
 import uvicorn
 
-from parties import speed
 from parties.errors import ConfigError
 from parties.storage.files import atomic_write_text
 from parties.transport.edges import Timeouts, bind_socket, tls_front
 from parties.transport.stock import Connections
 from parties.transport.tls import TLSFiles, is_loopback, server_ssl_context
 
-__all__ = [
-    "VERIFIED", "ServerThread", "bind_socket", "build_server", "protocol_gate", "run_loop", "serve", "running_server",
-]
-
-#: The versions (without a local part) whose internals ``parties.transport.fast_protocol`` was checked against.
-VERIFIED = {"uvicorn": frozenset({"0.54.0"}), "httptools": frozenset({"0.9.0"})}
+__all__ = ["ServerThread", "bind_socket", "build_server", "run_loop", "serve", "running_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +58,11 @@ class _Server(uvicorn.Server):
     press Ctrl-C twice; the graceful shutdown is already bounded by ``timeout_graceful_shutdown``.
     """
 
-    speed: speed.Gate  # which HTTP protocol it runs (``build_server``)
-
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit and sig == signal.SIGINT:
             logger.info("already shutting down (at most %ss)", self.config.timeout_graceful_shutdown)
             return
         super().handle_exit(sig, frame)
-
-
-def protocol_gate() -> speed.Gate:
-    """Whether a server in this process may run ``parties.transport.fast_protocol``, and why."""
-    installed = {"uvicorn": getattr(uvicorn, "__version__", "unknown"),
-                 "httptools": getattr(httptools, "__version__", "unknown")}
-    return speed.decide("uvicorn fast protocol", installed, VERIFIED)
-
-
-@functools.lru_cache(maxsize=None)
-def _announce(gate: speed.Gate) -> None:
-    logger.info("%s", gate)
 
 
 def _stock_protocol() -> Callable[..., asyncio.Protocol]:
@@ -104,23 +77,6 @@ def _stock_protocol() -> Callable[..., asyncio.Protocol]:
                           f"({type(exc).__name__}: {exc}); install a version pyproject.toml allows") from exc
 
 
-def _http_protocol(own_process: bool, timeouts: Timeouts) -> tuple[speed.Gate, Callable[..., Any], Connections | None]:
-    """The gate's decision, the protocol factory for uvicorn, and (for uvicorn's own protocol) its connections."""
-    gate = protocol_gate()
-    if gate.active:
-        try:
-            from parties.transport import fast_protocol
-        except (ImportError, AttributeError) as exc:  # a verified version cannot miss them; a broken install can
-            gate = speed.Gate(gate.name, False, f"it does not load: {type(exc).__name__}: {exc}")
-        else:
-            protocol = fast_protocol.PeerCertHTTPProtocol if own_process else fast_protocol.ThreadHTTPProtocol
-            _announce(gate)
-            return gate, functools.partial(protocol, timeouts=timeouts), None
-    _announce(gate)
-    connections = Connections(timeouts)
-    return gate, connections.protocol(_stock_protocol()), connections
-
-
 def _timeouts_of(app: Any) -> Timeouts:
     """The party's own header and body timeouts (its settings), else the defaults."""
     settings = getattr(getattr(app, "state", None), "settings", None)
@@ -130,36 +86,32 @@ def _timeouts_of(app: Any) -> Timeouts:
 
 
 def build_server(
-    app: Any, tls: TLSFiles | None, *, log_level: str = "warning", own_process: bool = True,
-    timeouts: Timeouts | None = None,
+    app: Any, tls: TLSFiles | None, *, log_level: str = "warning", timeouts: Timeouts | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``tls=None`` serves plain HTTP (the caller warns about it).
 
-    ``own_process=False``: the server shares its process (and the GIL) with other work, so its event
-    loop never busy-polls. ``timeouts``: default, the app's settings' ``header_timeout``/``body_timeout``.
-    TLS is not uvicorn's: ``parties.transport.edges`` does each handshake, so a refused one is logged.
-    The server's ``speed`` says which HTTP protocol it runs, and why."""
+    ``timeouts``: default, the app's settings' ``header_timeout``/``body_timeout``. TLS is not uvicorn's:
+    ``parties.transport.edges`` does each handshake, so a refused one is logged."""
     timeouts = timeouts or _timeouts_of(app)
-    gate, protocol, connections = _http_protocol(own_process, timeouts)
+    connections = Connections(timeouts)
+    protocol: Callable[..., Any] = connections.protocol(_stock_protocol())
     if tls is not None:
         tls.check()
         protocol = tls_front(protocol, server_ssl_context(tls), timeouts.header)
     config = uvicorn.Config(
-        app if connections is None else connections.app(app),
+        connections.app(app),
         http=protocol,  # type: ignore[arg-type]
         log_level=log_level,
         log_config=None,  # the entry point configures logging
         access_log=False,  # access lines carry URLs and peers; our own logs say what matters
         # Parties talk directly over mutual TLS; never trust X-Forwarded-* headers. uvicorn's own protocol
-        # (``parties.transport.stock``) also finds a request's certificate by the scope's client address.
+        # (``parties.transport.stock``) finds a request's certificate by the scope's client address.
         proxy_headers=False,
         # A step or a chunk takes milliseconds; a peer's idle keep-alive connection must not hold a stop for long
         # (the bank retries whatever was cut, exactly once).
         timeout_graceful_shutdown=1,
     )
-    server = _Server(config)
-    server.speed = gate
-    return server
+    return _Server(config)
 
 
 def _plain_http_on_loopback_only(tls: TLSFiles | None, host: str) -> None:
@@ -224,7 +176,7 @@ class ServerThread:
         self.app = app
         _plain_http_on_loopback_only(tls, host)
         self.sock = bind_socket(host, 0)
-        self.server = build_server(app, tls, own_process=False)
+        self.server = build_server(app, tls)
         scheme = "https" if tls is not None else "http"
         self.url = f"{scheme}://{host}:{self.sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn {self.url}")

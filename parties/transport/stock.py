@@ -1,8 +1,6 @@
 """uvicorn's own HTTP protocol, and what a party's service adds to it through public interfaces only.
 
-The server runs this wherever ``parties.transport.fast_protocol`` may not run:
-an uvicorn or httptools version it was not verified against, or
-``CUTLAYER_FAST_PATH`` off. It touches nothing inside uvicorn: it wraps
+It touches nothing inside uvicorn: it wraps
 uvicorn's protocol in an asyncio protocol (the interface asyncio defines), and
 the app in an ASGI app (the scope ASGI defines). What it keeps, and how:
 
@@ -25,9 +23,6 @@ the app in an ASGI app (the scope ASGI defines). What it keeps, and how:
   closes. The protocol in front sees bytes arrive; the ASGI wrapper sees a
   head parsed (the app is called), the app waiting for body, the answer sent.
   Idle time between requests is uvicorn's ``timeout_keep_alive``.
-
-What it does not have: answers written from the parser's callbacks in one
-write, and the busy poll after a step (``parties.transport.fast_protocol``).
 """
 
 from __future__ import annotations
