@@ -13,7 +13,7 @@ What this bounds: a partner can be told about ``ceiling`` of any group of custom
 whatever share of them it truly holds (and a little more, by chance, on small groups); over the partnership,
 about ``ceiling - s`` of them beyond its own, for a partner holding a share ``s``. The ceiling is the
 operator's: ``--expect-overlap`` (expected + 0.05) or ``--max-overlap``; without either, the share the partner
-matched at its first alignment + 0.05 (``bank.core``), and 0.95 for that first alignment.
+matched at its first alignment + 0.05 (``bank.service.core``), and 0.95 for that first alignment.
 
 Customers are kept as 16-byte digests of their canonical IDs, per partner, in ``<state>/exposure/``.
 """

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from bank.config import TopConfig, TrainingConfig
+from bank.config import TopConfig, TrainingConfig, json_settings
 from parties.errors import ConfigError
 from parties.learning.config import BottomConfig
 
 if TYPE_CHECKING:
-    from bank.operator import BankOperator
+    from bank.service.operator import BankOperator
     from parties.protocol.control import JobStatus
     from parties.transport.tls import TLSFiles
 
@@ -32,7 +32,7 @@ __all__ = [
 
 def serve(args: argparse.Namespace) -> int:
     from alignment.parallel import start_fork_server
-    from bank.service import create_app
+    from bank.service.app import create_app
     from parties.cli import apply_process_settings, psi_limit_values, service_values
     from parties.settings import BankSettings, load_settings
     from parties.transport.server import serve as serve_app
@@ -65,7 +65,7 @@ def _partners(items: list[str]) -> dict[str, str] | None:
 
 
 def align(args: argparse.Namespace) -> int:
-    from bank.operator import BankOperator
+    from bank.service.operator import BankOperator
     from parties.protocol.control import AlignmentRequest
 
     tls = _operator_tls(args)
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(_train_config(args).model_dump_json(indent=2))
         return 0
-    from bank.operator import BankOperator
+    from bank.service.operator import BankOperator
 
     tls = _operator_tls(args)
     config = _train_config(args)
@@ -130,7 +130,7 @@ def print_score_command(args: argparse.Namespace, result: dict[str, Any]) -> Non
 
 
 def sessions(args: argparse.Namespace) -> int:
-    from bank.operator import BankOperator
+    from bank.service.operator import BankOperator
 
     tls = _operator_tls(args)
     with BankOperator(args.url, tls, args.name) as operator:
@@ -143,7 +143,7 @@ def sessions(args: argparse.Namespace) -> int:
 
 
 def score(args: argparse.Namespace) -> int:
-    from bank.operator import BankOperator
+    from bank.service.operator import BankOperator
 
     tls = _operator_tls(args)
     try:
@@ -224,23 +224,10 @@ def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingC
     return config
 
 
-def _json_settings(path: Path | None, example: str) -> dict[str, Any]:
-    """The settings object a ``--config`` file holds (``{}`` without one); a clear refusal for anything else."""
-    if path is None:
-        return {}
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: settings are a JSON object, e.g. {example}")
-    return values
-
-
 def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
     from parties.settings import describe_problems
 
-    values = _json_settings(path, '{"epochs": 20}')
+    values = json_settings(path, '{"epochs": 20}')
     values |= {k: v for k, v in overrides.items() if v is not None}
     where = f" in {path}" if path else ""
     misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
@@ -286,7 +273,7 @@ def walkthrough(args: argparse.Namespace) -> int:
     from bank.walkthrough import WalkthroughConfig, run_walkthrough
 
     if args.configuration != "vertical":
-        from bank.configuration_commands import configuration_walkthrough
+        from bank.configurations.commands import configuration_walkthrough
 
         return configuration_walkthrough(args)
     for flag, value in (("--branches", args.branches), ("--fedavg-every", args.fedavg_every)):

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parties.errors import ConfigError
 from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind
 
-__all__ = ["AggregationName", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
+__all__ = ["AggregationName", "json_settings", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
            "default_batch_size"]
 
-# Here rather than beside their torch code (bank/task.py, bank/aggregation.py): this module stays light
+# Here rather than beside their torch code (bank/task.py, bank/vertical/aggregation.py): this module stays light
 # enough for the command line's --help to read its defaults.
 AggregationName = Literal["concat", "sum", "mean"]
 GradientDefenseName = Literal["none", "max_norm", "isotropic", "marvell", "matched"]
@@ -184,3 +186,16 @@ class TrainingConfig(BaseModel):
         if self.val_fraction + self.test_fraction >= 0.8:
             raise ValueError("validation and test fractions leave too few training rows")
         return self
+
+
+def json_settings(path: Path | None, example: str) -> dict[str, Any]:
+    """The settings object a ``--config`` file holds (``{}`` without one); a clear refusal for anything else."""
+    if path is None:
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: settings are a JSON object, e.g. {example}")
+    return values

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bank.config import TrainingConfig
-from bank.operator import BankOperator
+from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from data.uci import locate_bank_full
 from parties.protocol.control import JobStatus

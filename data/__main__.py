@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from data.uci import BANK_MARKETING_URL, locate_bank_full
+from data.uci import BANK_MARKETING_URL, CACHE_HELP, locate_bank_full
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError
 
@@ -21,7 +21,6 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
     return out
 
 
-CACHE_HELP = "where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)"
 
 
 def build_parser() -> argparse.ArgumentParser:

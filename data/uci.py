@@ -28,6 +28,9 @@ BANK_MARKETING_URL = "https://archive.ics.uci.edu/static/public/222/bank+marketi
 BANK_FULL_NAME = "bank-full.csv"
 BANK_FULL_SHA256 = "d1513ec63b385506f7cfce9f2c5caa9fe99e7ba4e8c3fa264b3aaf0f849ed32d"
 
+#: The help of every ``--cache-dir`` flag.
+CACHE_HELP = "where bank-full.csv is cached (default: $CUTLAYER_DATA_DIR, else ~/.cache/cutlayer/data)"
+
 
 def cache_dir() -> Path:
     """``$CUTLAYER_DATA_DIR``, else ``~/.cache/cutlayer/data``."""

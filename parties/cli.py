@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from parties.errors import ConfigError, CutlayerError
 
 __all__ = [
+    "add_log_level",
     "add_psi_limit_arguments",
     "add_quota_arguments",
     "add_service_arguments",
@@ -22,6 +24,7 @@ __all__ = [
     "configure_logging",
     "default_of",
     "description",
+    "number",
     "psi_limit_values",
     "quota_values",
     "run_cli",
@@ -56,6 +59,21 @@ def command(sub: argparse._SubParsersAction, name: str, summary: str, *,
     if handler is not None:
         parser.set_defaults(handler=handler)
     return parser
+
+
+def number(text: str) -> float:
+    """An ``argparse`` type: a finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str = "WARNING") -> None:
+    parser.add_argument("--log-level", default=default, help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
 
 
 def description(doc: str | None) -> str:

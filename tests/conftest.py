@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.service import create_app as create_bank_app
+from bank.service.app import create_app as create_bank_app
 from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
 from parties.settings import BankSettings, PartnerSettings
 from parties.transport.server import ServerThread

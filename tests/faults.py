@@ -33,10 +33,10 @@ if __package__ in (None, ""):  # run as a script: the project's root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.in_process_party import InProcessParty
+from bank.vertical.http_partner import HttpPartner
+from bank.vertical.in_process_party import InProcessParty
 from bank.task import Task
-from bank.trainer import Coordinator
+from bank.vertical.coordinator import Coordinator
 from parties.learning.model import BottomConfig
 from parties.tables.table import load_alignment, load_party_table
 from parties.transport.client import StepConnection, make_client

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bank.lab.bench import format_bench, run_training_bench
-from bank.lab.psi_bench import format_result, run_bench
-from bank.lab.wire_floor import measure_wire_floor
+from bank.lab.bench.training import format_bench, run_training_bench
+from bank.lab.bench.psi import format_result, run_bench
+from bank.lab.bench.wire_floor import measure_wire_floor
 from parties import speed
 from parties.transport.tls import write_dev_pki
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bank.http_partner import HttpPartner
-from bank.operator import BankOperator
+from bank.vertical.http_partner import HttpPartner
+from bank.service.operator import BankOperator
 from parties.errors import PeerUntrusted
 from parties.transport.client import StepConnection, make_client
 from parties.transport.tls import PeerIdentity, TLSFiles

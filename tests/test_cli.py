@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 import bank.__main__ as bank_cli
+import bank.lab.__main__ as lab_cli
 import data.__main__ as data_cli
 import parties.__main__ as parties_cli
 import partner.__main__ as partner_cli
 from bank.config import TrainingConfig
-from bank.split_run import ConfigurationSettings
+from bank.configurations.split_run import ConfigurationSettings
 from parties.cli import run_cli
 from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
@@ -27,6 +28,7 @@ from parties.settings import BankSettings, LayerHostSettings, ServiceSettings
 
 PARSERS = {
     "bank": bank_cli.build_parser,
+    "bank.lab": lab_cli.build_parser,
     "partner": partner_cli.build_parser,
     "data": data_cli.build_parser,
     "parties": parties_cli.build_parser,
@@ -142,6 +144,18 @@ def _bank(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
         run_cli(lambda: bank_cli.main(argv))
     out = capsys.readouterr()
     return int(exit_.value.code or 0), out.out, out.err
+
+
+def _lab(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: lab_cli.main(argv))
+    out = capsys.readouterr()
+    return int(exit_.value.code or 0), out.out, out.err
+
+
+def test_a_lab_command_given_to_the_product_says_where_it_went(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _bank(["bench", "--rounds", "1"], capsys)
+    assert code == 2 and err.strip() == "error: bench is a lab command: python -m bank.lab bench ..."
 
 
 def test_a_flat_training_setting_is_told_where_it_belongs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,7 +276,7 @@ def test_train_takes_the_gradient_defense_flags(capsys: pytest.CaptureFixture[st
     ("hijack-study", "--runs", "0"), ("hijack-study", "--epochs", "0"), ("hijack-study", "--rows", "-3")])
 def test_the_studies_refuse_impossible_counts_before_training(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], study: str, flag: str, value: str) -> None:
-    code, _, err = _bank([study, "--out", str(tmp_path / "study"), flag, value], capsys)
+    code, _, err = _lab([study, "--out", str(tmp_path / "study"), flag, value], capsys)
     assert code == 2 and err.strip().splitlines() == [f"error: {flag} must be at least 1, got {value}"]
     assert not (tmp_path / "study").exists()  # refused before any work
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
-from bank.http_partner import HttpPartner
-from bank.lab.scale_bench import write_synthetic_parties
+from bank.service.aligner import align_with_partners
+from bank.vertical.http_partner import HttpPartner
+from bank.lab.bench.scale import write_synthetic_parties
 from parties.errors import PeerError
 from parties.limits import PsiLimits
 from parties.settings import PartnerSettings

@@ -19,9 +19,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from bank.config import TrainingConfig
-from bank.configuration_runs import configuration_walkthrough
-from bank.lab.config_audit import COLUMNS, audit_headlines, configuration_audit, print_configuration_audit
-from bank.split_run import ConfigurationSettings
+from bank.configurations.runs import configuration_walkthrough
+from bank.lab.report.config_audit import COLUMNS, audit_headlines, configuration_audit, print_configuration_audit
+from bank.configurations.split_run import ConfigurationSettings
 from parties.errors import DataError
 
 BRANCHES = ["branch-1", "branch-2", "branch-3"]

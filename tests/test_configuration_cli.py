@@ -110,7 +110,7 @@ def test_a_run_folder_is_never_reused_and_a_runs_own_config_is_read_back(tmp_pat
     run = _run(["bank", "walkthrough", "--configuration", "relay", "--out", str(used), "--no-download"], tmp_path)
     assert run.returncode != 0 and "is not empty" in run.stderr
 
-    from bank.split_run import ConfigurationSettings
+    from bank.configurations.split_run import ConfigurationSettings
 
     config = tmp_path / "config.json"
     config.write_text(ConfigurationSettings(configuration="relay").model_dump_json())
@@ -143,7 +143,7 @@ def test_a_party_that_never_answered_is_reported_within_seconds_not_retried_for_
     """A wrong port is not a restart: the first call gives up after a few seconds and says what to check."""
     import httpx
 
-    from bank.layer_peer import FIRST_CONTACT_DEADLINE, LayerPeer
+    from bank.configurations.layer_peer import FIRST_CONTACT_DEADLINE, LayerPeer
     from parties.errors import PeerUnavailable
 
     port = _free_port()  # nothing listens there

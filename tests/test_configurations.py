@@ -1,6 +1,6 @@
 """The configurations beside vertical, over real services and mutual TLS on 127.0.0.1.
 
-- U-shaped, vanilla, relay and SplitFed runs equal their single-process twins (``bank.lab.twins``) bit for bit:
+- U-shaped, vanilla, relay and SplitFed runs equal their single-process twins (``bank.lab.references.twins``) bit for bit:
   every party's final weights and the test scores, with tuned settings and with the defaults.
 - Relay is sequential training of one model on the concatenated schedule (a reference written here, not the twin).
 - Every training step is applied exactly once: a resent call is answered from the cache, anything else is refused.
@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from bank.config import TopConfig, TrainingConfig
-from bank.configuration_runs import read_labels
-from bank.horizontal import HorizontalOutcome, HorizontalTrainer, bottom_start, branch_labels, fedavg, merge_encoder
-from bank.lab.twins import encode_branches, horizontal_twin, owner_twin
-from bank.layer_peer import LayerPeer
-from bank.owner import OwnerOutcome, OwnerTrainer, compute_start, owner_data
-from bank.schedule import epoch_batches
-from bank.split_run import ConfigurationSettings, TrunkConfig
+from bank.configurations.runs import read_labels
+from bank.configurations.horizontal import HorizontalOutcome, HorizontalTrainer, bottom_start, branch_labels, fedavg, merge_encoder
+from bank.lab.references.twins import encode_branches, horizontal_twin, owner_twin
+from bank.configurations.layer_peer import LayerPeer
+from bank.configurations.u_shaped import OwnerOutcome, OwnerTrainer, compute_start, owner_data
+from bank.vertical.schedule import epoch_batches
+from bank.configurations.split_run import ConfigurationSettings, TrunkConfig
 from bank.task import Task
 from data.configurations import BRANCH_COLUMN, LABEL, prepare_branches, prepare_owner
 from parties.errors import DataError, PeerError
@@ -277,7 +277,7 @@ def test_relay_is_sequential_training_of_one_model_on_the_concatenated_schedule(
     """Relay = one bottom and one top, one optimizer each, trained step by step on the batches of branch-1's
     epoch, then branch-2's, then branch-3's, epoch after epoch, as if the branches' rows were one table.
 
-    The reference is a plain loop written here over the concatenated rows (not ``bank.lab.twins``): the
+    The reference is a plain loop written here over the concatenated rows (not ``bank.lab.references.twins``): the
     relay's final bottom (at every branch), top and test scores equal it bit for bit. That needs the relay
     to hand on Adam's moments and step counts with the weights, and each branch to use the shared encoder."""
     settings = tuned("relay", training=TrainingConfig(epochs=2, batch_size=96, seed=11, restore_best=False))

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
+from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.in_process_party import InProcessParty
-from bank.operator import BankOperator
+from bank.vertical.http_partner import HttpPartner
+from bank.vertical.in_process_party import InProcessParty
+from bank.service.operator import BankOperator
 from bank.task import Task
-from bank.trainer import Coordinator
+from bank.vertical.coordinator import Coordinator
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerUnavailable
 from parties.learning.model import BottomConfig

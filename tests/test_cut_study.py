@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from bank.lab.cut_study import STRONGEST, CutPoint, _pareto, default_grid, run_cut_study, step_bytes, step_compute
-from bank.lab.privacy_study import LABEL_ATTACKS
+from bank.lab.studies.cut import STRONGEST, CutPoint, _pareto, default_grid, run_cut_study, step_bytes, step_compute
+from bank.lab.studies.privacy import LABEL_ATTACKS
 from parties.protocol.training import StepReply, StepRequest
 
 
@@ -89,7 +89,7 @@ def test_the_sweep_is_deterministic(small_study: tuple[Path, pd.DataFrame], bank
 ])
 def test_the_command_refuses_impossible_settings_in_one_line(tmp_path: Path, flag: str, value: str,
                                                              message: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "bank", "cut-study", "--out", str(tmp_path), flag, value],
+    run = subprocess.run([sys.executable, "-m", "bank.lab", "cut-study", "--out", str(tmp_path), flag, value],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith(message)

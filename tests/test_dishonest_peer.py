@@ -14,8 +14,8 @@ from alignment import curve, psi
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
-from bank.aligner import align_with_partners
-from bank.http_partner import HttpPartner
+from bank.service.aligner import align_with_partners
+from bank.vertical.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.errors import OverBudget, PeerError, UnknownSession
 from parties.protocol import psi as psi_routes

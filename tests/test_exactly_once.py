@@ -35,7 +35,7 @@ class FaultyConnection(StepConnection):
 
             def dropped() -> tuple[int, bytes]:
                 receive()
-                self.close()
+                self.connection.close()  # the connection drops; the next step opens a new one
                 raise PeerUnavailable("answer lost (injected)")
 
             return self._note(fault, dropped)

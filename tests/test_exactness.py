@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bank.config import TopConfig, TrainingConfig
-from bank.trainer import epoch_batches
+from bank.vertical.coordinator import epoch_batches
 from data.prepare import prepare_bank_marketing
 from parties.learning.model import BottomConfig, mlp
 from tests.training_helpers import federation, saved, state_equal

@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
+from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
+from bank.vertical.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.errors import StorageError
 from parties.storage.checkpoint import checkpoint_steps, read_checkpoint

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bank.config import TrainingConfig
-from bank.lab.hijack_study import HONEST, StudyConfig, _slice, monitor_cost, run_hijack_study, summarise, wilson
-from bank.lab.hijackers import Attacker, HijackingBank
-from bank.lab.privacy_study import PARTNER_BOTTOM
+from bank.lab.studies.hijack import HONEST, StudyConfig, _slice, monitor_cost, run_hijack_study, summarise, wilson
+from bank.lab.attacks.hijackers import Attacker, HijackingBank
+from bank.lab.studies.privacy import PARTNER_BOTTOM
 from data.prepare import prepare_bank_marketing
 from parties.errors import CutlayerError, HijackSuspected
 from parties.learning.bottom import BottomTrainer
@@ -482,7 +482,7 @@ def test_a_probe_step_sent_again_is_answered_from_the_stored_response() -> None:
 
 
 def test_the_hijack_study_command_can_make_the_partners_project(tmp_path: Path) -> None:
-    from bank.__main__ import build_parser
+    from bank.lab.__main__ import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["hijack-study", "--out", str(tmp_path), "--project"]).project is True

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bank.core import overlap_warnings
-from bank.operator import BankOperator, JobFailed
+from bank.service.core import overlap_warnings
+from bank.service.operator import BankOperator, JobFailed
 from bank.task import Task
 from parties.errors import DataError
 from parties.protocol.control import AlignmentRequest

@@ -25,8 +25,8 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from bank import layer_peer
-from bank.layer_peer import LayerPeer
+from bank.configurations import layer_peer
+from bank.configurations.layer_peer import LayerPeer
 from parties.errors import OutOfOrder, PeerError, PeerUntrusted, QuotaExceeded, UnknownSession
 from parties.learning.config import OptimizerConfig
 from parties.protocol import layers

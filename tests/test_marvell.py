@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from sklearn.metrics import roc_auc_score
 
 from bank.config import TrainingConfig
-from bank.defenses import GradientDefense, marvell_perturb, marvell_solve, symmetric_kl
-from bank.lab.attacks import cosine_scores, norm_scores
-from bank.lab.audit import leakage_rows
+from bank.vertical.defenses import GradientDefense, marvell_perturb, marvell_solve, symmetric_kl
+from bank.lab.attacks.labels import cosine_scores, norm_scores
+from bank.lab.report.audit import leakage_rows
 from data.prepare import prepare_bank_marketing
 from parties.learning.secret import Secret
 
@@ -167,7 +167,7 @@ def _leaks(fed, training: TrainingConfig) -> tuple[dict[str, float], float, list
 
 
 def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank_full: Path, tmp_path: Path) -> None:
-    from bank.lab.privacy_study import Federation
+    from bank.lab.studies.privacy import Federation
 
     fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=3000, cache=bank_full.parent, download=False))
     # Pinned noise, as the privacy study pins it: the claim is about the defense's power, and the bank's own
@@ -187,7 +187,7 @@ def test_marvell_in_training_trades_leakage_for_accuracy_as_the_power_grows(bank
 
 
 def test_marvell_training_is_reproducible_with_local_steps(bank_full: Path, tmp_path: Path) -> None:
-    from bank.lab.privacy_study import Federation
+    from bank.lab.studies.privacy import Federation
 
     fed = Federation(prepare_bank_marketing(tmp_path / "data", rows=1500, cache=bank_full.parent, download=False))
     config = TrainingConfig(epochs=1, batch_size=64, local_steps=2, max_steps=6, audit=True,
@@ -241,7 +241,7 @@ def test_persistent_noise_is_the_same_in_every_process(tmp_path: Path) -> None:
     import sys
 
     script = (
-        "import torch; from bank.defenses import GradientDefense; from parties.learning.secret import Secret\n"
+        "import torch; from bank.vertical.defenses import GradientDefense; from parties.learning.secret import Secret\n"
         "g = torch.Generator().manual_seed(0); grad = torch.randn(64, 4, generator=g)\n"
         "t = (torch.arange(64) % 3 == 0).float()\n"
         "d = GradientDefense('marvell', power=2.0, secret=Secret.pinned_to(5), persistence=1.0, rows=100)\n"
@@ -271,7 +271,7 @@ def test_the_off_direction_energy_reads_marvell_but_not_matched_noise(defense: s
     """Marvell's model spreads each class alike in every direction; task gradients are not, so it gives one
     class off-direction noise the other lacks, and a partner with no label reads it. Matched noise gives each
     class the other's covariance."""
-    from bank.lab.attacks import gradient_features, label_free_scores
+    from bank.lab.attacks.labels import gradient_features, label_free_scores
 
     grad, targets = _one_dimensional_batch(0)
     rows = torch.arange(1024)

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bank.config import TrainingConfig
-from bank.lab import audit
-from bank.lab.attacks import completion_scores
-from bank.lab.audit import completion_leakage, draw_known
+from bank.lab.report import audit
+from bank.lab.attacks.labels import completion_scores
+from bank.lab.report.audit import completion_leakage, draw_known
 from data.prepare import prepare_bank_marketing
 from parties.learning.bottom import BottomTrainer
 from parties.learning.model import BottomConfig, build_bottom, mlp
@@ -152,8 +152,8 @@ MEASURED = {
 
 def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
         bank_full: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bank.lab import privacy_study
-    from bank.lab.privacy_study import LABEL_ATTACKS, Federation, leak, measure
+    from bank.lab.studies import privacy as privacy_study
+    from bank.lab.studies.privacy import LABEL_ATTACKS, Federation, leak, measure
     from parties.learning.embedding_noise import PrivacyConfig
 
     attacked: list[tuple[nn.Module, BottomConfig, np.ndarray]] = []
@@ -188,7 +188,7 @@ def test_measure_returns_every_column_for_a_partner_bottom_of_the_sweeps_choice(
 
 def test_the_privacy_study_command_takes_the_number_of_known_labels(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bank.__main__ import build_parser
+    from bank.lab.__main__ import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["privacy-study", "--out", str(tmp_path)]).known_labels == 50

@@ -17,9 +17,9 @@ from training_helpers import PartnerProcess, federation
 
 import bank.__main__ as bank_cli
 from bank.config import TrainingConfig
-from bank.lab.audit import inversion_rows
-from bank.lab.privacy_study import Federation
-from bank.trainer import Coordinator
+from bank.lab.report.audit import inversion_rows
+from bank.lab.studies.privacy import Federation
+from bank.vertical.coordinator import Coordinator
 from data.prepare import prepare_bank_marketing
 from parties.cli import run_cli
 from parties.learning.bottom import BottomTrainer

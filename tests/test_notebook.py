@@ -23,11 +23,11 @@ import pandas as pd
 import pytest
 
 from bank.config import TrainingConfig
-from bank.configuration_runs import configuration_walkthrough
-from bank.lab.analysis import load_run
-from bank.lab.audit import label_leakage, model_completion
-from bank.lab.privacy_study import LABEL_ATTACKS, default_settings
-from bank.split_run import ConfigurationSettings
+from bank.configurations.runs import configuration_walkthrough
+from bank.lab.report.analysis import load_run
+from bank.lab.report.audit import label_leakage, model_completion
+from bank.lab.studies.privacy import LABEL_ATTACKS, default_settings
+from bank.configurations.split_run import ConfigurationSettings
 from parties.errors import DataError
 from parties.storage.layout import model_folder
 
@@ -62,10 +62,10 @@ def audited_run(project: Path) -> Path:
 @pytest.fixture(scope="module")
 def executed(project: Path, audited_run: Path, bank_full: Path) -> nbformat.NotebookNode:
     """The notebook after ``jupyter nbconvert --to notebook --execute notebooks/analysis.ipynb`` from the project."""
-    from bank.lab.cut_study import CutPoint, run_cut_study
-    from bank.lab.hijack_study import StudyConfig, run_hijack_study
-    from bank.lab.hijackers import Attacker
-    from bank.lab.privacy_study import run_study
+    from bank.lab.studies.cut import CutPoint, run_cut_study
+    from bank.lab.studies.hijack import StudyConfig, run_hijack_study
+    from bank.lab.attacks.hijackers import Attacker
+    from bank.lab.studies.privacy import run_study
 
     study = audited_run / "privacy"  # section 5 reads a privacy study kept in the run folder
     run_study(study, rows=4000, epochs=4, cache=bank_full.parent, download=False)
@@ -222,7 +222,7 @@ def test_the_notebook_executes_and_writes_its_tables_and_figures(
 
 
 def test_the_subset_study_compares_the_bank_only_choices_on_the_run(audited_run: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "bank", "subset-study", str(audited_run), "--seeds", "1"],
+    result = subprocess.run([sys.executable, "-m", "bank.lab", "subset-study", str(audited_run), "--seeds", "1"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     analysis = audited_run / "analysis"

@@ -127,12 +127,12 @@ def test_scoring_every_customer_reproduces_the_runs_predictions(own_run, fmt: st
 def test_the_report_compares_the_split_model_on_any_partition(own_run) -> None:
     work, _, model_id = own_run
     run = work / "state" / "lender" / "runs" / model_id
-    printed = _run("bank", "report", str(run), "--partition", "parts", cwd=work)
+    printed = _run("bank.lab", "report", str(run), "--partition", "parts", cwd=work)
     comparison = pd.read_csv(run / "analysis" / "comparison.csv").set_index("model")["test_roc_auc"]
     split_auc = comparison["split model (this run)"]
     assert split_auc > comparison["bank only: HistGradientBoosting"] + 0.05  # the partners are worth something
     assert split_auc > comparison["centralised: HistGradientBoosting"] - 0.05  # and it is used
     (work / "comparison.txt").write_text(comparison.to_string() + "\n")
-    without = _run("bank", "report", str(run), cwd=work)  # no partition folder: one clear line, no traceback
+    without = _run("bank.lab", "report", str(run), cwd=work)  # no partition folder: one clear line, no traceback
     assert "references left out" in without and "partition.json: missing" in without
     assert "== comparison" in printed

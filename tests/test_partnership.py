@@ -23,10 +23,10 @@ import torch
 from alignment import curve
 from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
 from alignment.psi import run_initiator
-from bank.aligner import align_with_partners
+from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.operator import BankOperator, JobFailed
+from bank.vertical.http_partner import HttpPartner
+from bank.service.operator import BankOperator, JobFailed
 from parties.errors import DataError, OverBudget, PeerError, QuotaExceeded, StorageError, UnknownSession
 from parties.protocol.control import AlignmentRequest
 from parties.limits import BankQuotas, PsiLimits

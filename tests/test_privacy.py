@@ -10,7 +10,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from bank.config import TrainingConfig
-from bank.defenses import flip_probability, perturb_gradient, randomized_response
+from bank.vertical.defenses import flip_probability, perturb_gradient, randomized_response
 from data.prepare import prepare_bank_marketing
 from parties.learning.secret import Secret
 from parties.errors import CutlayerError

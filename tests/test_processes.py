@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bank.operator import BankOperator
+from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.transport.process import ServiceProcess
 from parties.transport.server import bind_socket

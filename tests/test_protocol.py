@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bank.service import create_app as create_bank_app
+from bank.service.app import create_app as create_bank_app
 from parties.errors import BadMessage
 from parties.protocol import common, control, psi, scoring, training
 from parties.protocol.wire import encode

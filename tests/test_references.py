@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import bank.lab.references as references
+import bank.lab.references.models as references
 
 
 def test_the_unsplit_reference_trains_on_one_thread_as_the_parties_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bank.__main__ import main
-from bank.lab.analysis import latest_run, load_run, resolve_run, write_report
+from bank.lab.__main__ import main
+from bank.lab.report.analysis import latest_run, load_run, resolve_run, write_report
 from parties.errors import DataError
 from parties.storage.layout import model_folder
 

@@ -1,4 +1,4 @@
-"""``python -m bank scale-bench`` at a size CI can afford: every stage runs and is reported."""
+"""``python -m bank.lab scale-bench`` at a size CI can afford: every stage runs and is reported."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bank.lab.scale_bench import write_synthetic_parties
+from bank.lab.bench.scale import write_synthetic_parties
 
 
 def test_synthetic_parties_are_seeded_and_overlap(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_synthetic_parties_are_seeded_and_overlap(tmp_path: Path) -> None:
 def test_a_small_scale_bench_reports_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bank", "scale-bench", "--customers", "2000", "--partners", "2", "--epochs", "1",
+        [sys.executable, "-m", "bank.lab", "scale-bench", "--customers", "2000", "--partners", "2", "--epochs", "1",
          "--sequential", "--json", str(out), "--out", str(tmp_path / "bench")],
         capture_output=True, text=True, timeout=300,
     )

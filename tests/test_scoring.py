@@ -12,10 +12,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import bank.core
+import bank.service.core
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.operator import BankOperator, JobFailed
+from bank.vertical.http_partner import HttpPartner
+from bank.service.operator import BankOperator, JobFailed
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerError
 from parties.transport.tls import TLSFiles
@@ -149,7 +149,7 @@ def test_jobs_leave_no_connection_to_the_partner_open(trained, tmp_path: Path, m
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             held.append(self)
 
-    monkeypatch.setattr(bank.core, "HttpPartner", Held)
+    monkeypatch.setattr(bank.service.core, "HttpPartner", Held)
     path, _ = _new_customers(paths, result, tmp_path)
     op.wait(op.start_scoring(result["session"], path.read_bytes()))
     assert held and all(p.steps is not None and p.round_trips > 0 for p in held)

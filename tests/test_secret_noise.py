@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from bank.config import TrainingConfig
-from bank.defenses import flip_probability
-from bank.schedule import epoch_batches
+from bank.vertical.defenses import flip_probability
+from bank.vertical.schedule import epoch_batches
 from data.prepare import prepare_bank_marketing
 from parties.learning.config import MonitorConfig, PrivacyConfig
 from parties.learning.embedding_noise import EmbeddingNoise
@@ -33,7 +33,7 @@ def _hash_seeded(*key: int) -> torch.Generator:
 
 @pytest.fixture(scope="module")
 def fed(bank_full: Path, tmp_path_factory: pytest.TempPathFactory):
-    from bank.lab.privacy_study import Federation
+    from bank.lab.studies.privacy import Federation
 
     return Federation(prepare_bank_marketing(tmp_path_factory.mktemp("data"), rows=3000, cache=bank_full.parent,
                                              download=False))
@@ -165,7 +165,7 @@ def test_a_resumed_bank_keeps_its_secret(fed, tmp_path: Path) -> None:
     config = TrainingConfig(epochs=1, batch_size=256, label_dp_epsilon=1.0, max_steps=2)
     first = fed.coordinator(config)
     first.checkpoint_dir = None
-    from bank.trainer import Coordinator
+    from bank.vertical.coordinator import Coordinator
 
     def coordinator() -> Coordinator:
         return Coordinator(config, fed.task, fed.targets, first.parties, alignment_id="sim",
@@ -199,7 +199,7 @@ def test_asking_again_for_the_same_rows_does_not_average_the_embedding_noise_awa
 def test_the_split_the_partners_see_says_nothing_of_the_labels() -> None:
     """A split stratified with the public seed let a partner replay it and read the labels (0.90 AUC): by default
     the split does not depend on the labels at all; stratified, its shuffles are the bank's secret."""
-    from bank.schedule import split_rows
+    from bank.vertical.schedule import split_rows
     from bank.task import Task
 
     rng = np.random.default_rng(0)

@@ -23,7 +23,7 @@ import pandas as pd
 import pytest
 
 from bank.config import TrainingConfig
-from bank.operator import BankOperator
+from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import BadMessage
 from parties.protocol.wire import check_nesting, decode

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
-from bank.http_partner import HttpPartner
-from bank.operator import BankOperator, JobFailed
+from bank.service.aligner import align_with_partners
+from bank.vertical.http_partner import HttpPartner
+from bank.service.operator import BankOperator, JobFailed
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerError
 from parties.tables.table import load_party_table
@@ -272,7 +272,7 @@ def test_invalid_psi_messages_get_4xx_with_a_reason(pki, partition, start_partne
 
 
 def test_insecure_mode_works_but_only_with_a_declared_caller(write_csv, start_partner, start_bank, tmp_path) -> None:
-    from bank.service import create_app as create_bank_app
+    from bank.service.app import create_app as create_bank_app
     from parties.settings import BankSettings, PartnerSettings
     from parties.transport.server import running_server
     from partner.service import create_app as create_partner_app

@@ -12,8 +12,8 @@ import torch
 
 from bank.__main__ import main
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.operator import BankOperator
+from bank.vertical.http_partner import HttpPartner
+from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import PeerError, UnknownSession
 from parties.transport.client import make_client

@@ -13,13 +13,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bank.bank_only import BankOnlyModel
-from bank.calibration import MIN_METRIC_ROWS
+from bank.scoring.bank_only import BankOnlyModel
+from bank.scoring.calibration import MIN_METRIC_ROWS
 from bank.config import TrainingConfig
-from bank.manifest import read_manifest
-from bank.operator import BankOperator, JobFailed
-from bank.schedule import split_rows
-from bank.subsets import partial_subsets, train_subset_models
+from bank.scoring.manifest import read_manifest
+from bank.service.operator import BankOperator, JobFailed
+from bank.vertical.schedule import split_rows
+from bank.scoring.subsets import partial_subsets, train_subset_models
 from bank.task import Task
 from data.prepare import prepare_bank_marketing
 from parties.tables.table import load_party_table

@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
+from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.in_process_party import InProcessParty
-from bank.operator import BankOperator
+from bank.vertical.in_process_party import InProcessParty
+from bank.service.operator import BankOperator
 from bank.task import Task
-from bank.trainer import Coordinator
+from bank.vertical.coordinator import Coordinator
 from data.prepare import prepare_bank_marketing
 from parties.errors import NotAligned, PeerError
 from parties.learning.model import BottomConfig

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as raw_safetensors
 
 from bank.config import TrainingConfig
-from bank.in_process_party import InProcessParty
+from bank.vertical.in_process_party import InProcessParty
 from data.prepare import prepare_bank_marketing
 from parties.errors import CutlayerError
 from parties.learning.model import BottomConfig

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from bank.config import TrainingConfig
-from bank.operator import BankOperator
+from bank.service.operator import BankOperator
 from parties.errors import PeerError
 from parties.tables.encoding import MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, TabularEncoder, category_text
 from parties.tables.table import FeatureSchema

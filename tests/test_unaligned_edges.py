@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bank.config import TrainingConfig
-from bank.operator import BankOperator
+from bank.service.operator import BankOperator
 from parties.protocol.control import AlignmentRequest
 from parties.transport.tls import TLSFiles
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bank.__main__ import main as bank_main
-from bank.lab import netns
-from bank.lab.netns import BANK_ADDRESS, PARTNER_ADDRESS, emulated_link, privilege_problem
-from bank.lab.wan_bench import time_to_target
+from bank.lab.__main__ import main as bank_main
+from bank.lab.bench import netns
+from bank.lab.bench.netns import BANK_ADDRESS, PARTNER_ADDRESS, emulated_link, privilege_problem
+from bank.lab.bench.wan import time_to_target
 from parties.cli import run_cli
 from parties.errors import ConfigError
 from parties.transport import sockets

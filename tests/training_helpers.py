@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from alignment.parallel import WorkerPool
-from bank.aligner import align_with_partners
+from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.http_partner import HttpPartner
-from bank.in_process_party import InProcessParty
-from bank.lab.unsplit import UnsplitModel
+from bank.vertical.http_partner import HttpPartner
+from bank.vertical.in_process_party import InProcessParty
+from bank.lab.references.unsplit import UnsplitModel
 from bank.task import Task
-from bank.trainer import Coordinator
+from bank.vertical.coordinator import Coordinator
 from parties.learning.model import BottomConfig
 from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, PartyTable, load_party_table

@@ -27,7 +27,7 @@ nothing and adds no byte; with no alarm, training is bit for bit what it is with
 to hide a hijack only adds off-task energy. What it cannot see: a hijack mixed into a large enough share of
 honest gradient, and one shaped to stay under its limits (off-task energy just under the limit, a main
 direction that stays in one place over each window); a bank gradient defense that adds noise in every
-direction (isotropic, max-norm, Marvell) looks like a hijack to it. The study (``bank.lab.hijack_study``)
+direction (isotropic, max-norm, Marvell) looks like a hijack to it. The study (``bank.lab.studies.hijack``)
 measures all of these.
 
 **Projecting** (``project``): the partner applies only the fit, what a task's gradient would have sent

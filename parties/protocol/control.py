@@ -2,7 +2,7 @@
 
 A partner answers its banks' session listing (``parties.protocol.training.SESSIONS``)
 and its own operator's admin routes; the bank answers its own operator
-(``bank.operator`` calls, ``bank.service`` answers)::
+(``bank.service.operator`` calls, ``bank.service.app`` answers)::
 
     partner operator   GET ADMIN_SESSIONS, DELETE ADMIN_SESSION (a bank's), GET ADMIN_ALIGNMENTS (each bank's)
     bank operator      POST ALIGNMENTS (AlignmentRequest), GET ALIGNMENT,

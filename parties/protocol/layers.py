@@ -2,10 +2,10 @@
 
 Two configurations of split learning beside vertical use it:
 
-- **U-shaped and vanilla** (``bank/owner.py``): the bank owns the data (and the labels); a *compute party*
+- **U-shaped and vanilla** (``bank/configurations/u_shaped.py``): the bank owns the data (and the labels); a *compute party*
   (certificate role ``compute``) holds a ``trunk`` (U-shaped: the bank keeps its head, so labels never
   leave it) or a ``server`` (vanilla: the rest of the model and the loss, so each batch's labels go with it).
-- **Horizontal** (``bank/horizontal.py``): *branches* with the bank's schema and customers of their own
+- **Horizontal** (``bank/configurations/horizontal.py``): *branches* with the bank's schema and customers of their own
   each hold a ``bottom`` on their own rows; the bank holds the top and the labels, and moves the
   client-side weights between branches (relay) or averages them (SplitFed).
 

@@ -1,6 +1,6 @@
 """The training exchange between the bank (coordinator) and a partner: routes and messages.
 
-The flow (``bank.trainer`` drives it through ``bank.party.TrainingParty``)::
+The flow (``bank.vertical.coordinator`` drives it through ``bank.vertical.party.TrainingParty``)::
 
     GET    SESSIONS                  the calling bank's live sessions -> SessionList
     POST   SESSIONS                  StartRequest -> TrainSessionInfo

@@ -9,7 +9,7 @@ trip. Two kernel defaults cost whole round trips on a WAN:
   bandwidth it has measured, and an exchange that only ever sends one message
   per round trip is measured at about one message per round trip: each message
   is spread over a whole RTT, and a step costs two RTTs instead of one (measured
-  with ``python -m bank bench --rtt-ms 20``: 34 ms per step, 21 ms with cubic).
+  with ``python -m bank.lab bench --rtt-ms 20``: 34 ms per step, 21 ms with cubic).
   A loss-based congestion control sends what the window allows at once, so each
   socket asks for one (``TCP_CONGESTION``), the first the kernel lets this
   process choose from ``CONGESTION_PREFERENCE``; reno is always allowed. Where

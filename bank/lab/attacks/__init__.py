@@ -1,0 +1,3 @@
+"""Attacks a dishonest party could run: label inference, and hijacking banks. SIMULATION ONLY."""
+
+__all__: list[str] = []
