@@ -27,7 +27,7 @@ from parties.cli import (
     run_cli,
 )
 from parties.learning.config import BottomConfig
-from parties.settings import BankSettings
+from bank.settings import BankSettings
 
 
 def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,8 @@ def serve(args: argparse.Namespace) -> int:
     from alignment.parallel import start_fork_server
     from bank.service.app import create_app
     from parties.cli import apply_process_settings, psi_limit_values, service_values
-    from parties.settings import BankSettings, load_settings
+    from bank.settings import BankSettings
+    from parties.settings import load_settings
     from parties.transport.server import serve as serve_app
 
     settings = load_settings(

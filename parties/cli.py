@@ -207,7 +207,7 @@ def psi_limit_values(args: argparse.Namespace) -> dict[str, object] | None:
 
 
 def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
-    """What one bank may keep at a party that serves several (``parties.settings.BankQuotas``)."""
+    """What one bank may keep at a party that serves several (``parties.limits.BankQuotas``)."""
     from parties.limits import BankQuotas as Q
 
     g = parser.add_argument_group("what each bank may keep here")

@@ -1,4 +1,8 @@
-"""Typed settings, one class per role; flags and ``CUTLAYER_<ROLE>_*`` environment variables fill them."""
+"""What every party's service is set with (``ServiceSettings``), and how settings are loaded and their problems told.
+
+Each role's own settings live with the role: ``bank.settings.BankSettings``, ``partner.settings.PartnerSettings``
+(and a compute party's and a branch's). Flags and ``CUTLAYER_<ROLE>_*`` environment variables fill them.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,18 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
-from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from parties.errors import ConfigError
-from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig, TaskKind
-from parties.limits import DEFAULT_MAX_OVERLAP, BankQuotas, PsiLimits
 from parties.tables.ids import IdType
 from parties.transport.tls import Role, TLSFiles, is_loopback
 
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
     from parties.tables.table import PartyTable
 
-__all__ = [
-    "BankSettings", "BranchSettings", "ComputeSettings", "PartnerSettings", "ServiceSettings",
-    "describe_problems", "load_settings",
-]
+__all__ = ["NAME", "ServiceSettings", "describe_problems", "load_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,145 +129,6 @@ class ServiceSettings(BaseSettings):
     @property
     def cache_dir(self) -> Path:
         return self.state_path / "psi-cache"
-
-
-class PartnerSettings(ServiceSettings):
-    """A passive party: it holds features, no labels, and answers the bank."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="CUTLAYER_PARTNER_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
-    role: ClassVar[Role] = "partner"
-
-    bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig,
-                                   description="embedding DP (off without a clip) and NoPeek (off at 0)")
-    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
-    max_training_sessions: int = Field(2, ge=1, description="live training sessions at once, per bank")
-    training_session_ttl: float = Field(
-        3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"
-    )
-
-    psi_session_ttl: float = Field(900.0, gt=0, description="seconds an idle PSI session is kept")
-    max_psi_sessions: int = Field(4, ge=1, description="open PSI sessions at once, per bank")
-    psi_limits: PsiLimits = Field(default_factory=lambda: PsiLimits(),
-                                  description="per bank: what its PSI sessions may cost, checked before any blinding")
-    quotas: BankQuotas = Field(default_factory=lambda: BankQuotas(), description="per bank: disk, and idle files")
-
-    @model_validator(mode="after")
-    def _secret_initial_weights(self) -> PartnerSettings:
-        # A partner that watches for hijacking must not start from weights the bank can rebuild: a bank that
-        # keeps them there (gradients too small to act on) passes every test and inverts every embedding.
-        if self.monitor.active and "seed" not in self.bottom.model_fields_set:
-            object.__setattr__(self, "bottom", self.bottom.model_copy(update={"seed": None}))  # frozen: set once
-        return self
-
-    @model_validator(mode="after")
-    def _rank_test_can_see(self) -> PartnerSettings:
-        if self.monitor.watch and self.monitor.task_rank >= self.bottom.cut_width:
-            raise ValueError(f"--hijack-task-rank {self.monitor.task_rank} leaves the rank test nothing to see: "
-                             f"it must be below the embedding width (--cut-width {self.bottom.cut_width})")
-        return self
-
-
-class LayerHostSettings(ServiceSettings):
-    """A service that runs layers for a bank (``partner/layer_service.py``): a compute party or a branch."""
-
-    max_sessions: int = Field(2, ge=1, description="live layer sessions at once, per bank")
-    max_batch_rows: int = Field(1 << 16, ge=1, description="rows one forward or backward call may carry")
-    max_width: int = Field(4096, ge=1, description="widest layer a bank may ask this service to hold")
-    max_parameters: int = Field(1 << 24, ge=1, description="most parameters a bank may ask this service to hold")
-    max_activations: int = Field(
-        1 << 26, ge=1, description="activation values one call may make this service hold: its rows times the widths "
-        "of every layer (a deep, wide model on max_batch_rows rows would otherwise keep gigabytes for the backward)"
-    )
-    session_ttl: float = Field(
-        3600.0, gt=0, description="seconds an idle session stays live; then it is dropped, its checkpoints kept "
-        "(the bank resumes it with resume_step), so a bank that walks away cannot hold max_sessions for ever"
-    )
-    min_stats_rows: int = Field(
-        100, ge=1, description="branch: the fewest distinct rows column statistics are given on (sums of one row "
-        "are that row's values)"
-    )
-    banks: tuple[str, ...] = Field(
-        (), description="the banks (certificate names) this service holds layers for (required): whoever "
-        "starts a session holds its slots and disk, and on a branch sets a bottom's weights and asks for its "
-        "predictions, so it can read the branch's rows", validate_default=True,
-    )
-    quotas: BankQuotas = Field(default_factory=lambda: BankQuotas(), description="per bank: disk, and idle files")
-
-    @field_validator("banks")
-    @classmethod
-    def _banks_named(cls, banks: tuple[str, ...]) -> tuple[str, ...]:
-        if not banks:
-            raise ValueError("name the banks this service holds layers for (--bank NAME, repeat per bank): "
-                             "otherwise any bank the CA certifies could take its sessions and disk")
-        for bank in banks:
-            if not NAME.fullmatch(bank):
-                raise ValueError(f"{bank!r} is not a party's name (its certificate's CN: letters, digits, '_', '.', "
-                                 "'-', at most 64)")
-        return banks
-
-
-class ComputeSettings(LayerHostSettings):
-    """A compute party: it holds a trunk (U-shaped) or a trunk and the training labels it is sent (vanilla), no data."""
-
-    model_config = SettingsConfigDict(env_prefix="CUTLAYER_COMPUTE_", extra="forbid", frozen=True)
-    role: ClassVar[Role] = "compute"
-
-    data: Path | None = None  # type: ignore[assignment]  # a compute party holds no table
-
-
-class BranchSettings(LayerHostSettings):
-    """A branch in horizontal split learning: the bank's schema, its own customers, the client-side bottom model."""
-
-    model_config = SettingsConfigDict(env_prefix="CUTLAYER_BRANCH_", extra="forbid", frozen=True)
-    role: ClassVar[Role] = "partner"
-
-
-class BankSettings(ServiceSettings):
-    """The label holder: it drives alignment and training."""
-
-    model_config = SettingsConfigDict(env_prefix="CUTLAYER_BANK_", extra="forbid", frozen=True)
-    role: ClassVar[Role] = "bank"
-
-    label: str | None = Field(None, description="the label column; default: the schema file's, else y")
-    task: TaskKind | None = Field(None, description="what the label is: binary, multiclass or regression; default: "
-                                  "the schema file's, else inferred from the label's values")
-    partners: dict[str, str] = Field(default_factory=dict)
-    peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
-    peer_retry_deadline: float = Field(
-        120.0, gt=0, description="seconds a silent partner is retried (it may be restarting) before training stops"
-    )
-    psi_limits: PsiLimits = Field(default_factory=lambda: PsiLimits(),
-                                  description="per partner: what its PSI sessions may cost, checked before any blinding")
-    max_overlap: float = Field(
-        DEFAULT_MAX_OVERLAP, gt=0, le=1, description="the largest share of the bank's customers a partner may match before "
-        "anything is committed (a partner that claims IDs it does not hold learns which are the bank's customers "
-        "at the commit); an alignment or scoring may ask for its own")
-
-    def load_table(self) -> PartyTable:
-        from parties.tables.table import load_party_table
-
-        return load_party_table(self.data, self.id_column, self.label, schema_path=self.schema_file, labelled=True,
-                                categorical=self.categorical, numeric=self.numeric, id_type=self.id_type,
-                                task=self.task)
-
-    @field_validator("partners")
-    @classmethod
-    def _urls(cls, partners: dict[str, str]) -> dict[str, str]:
-        for name, url in partners.items():
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"partner {name!r}: {url!r} is not an http(s) URL")
-        return {n: u.rstrip("/") for n, u in partners.items()}
-
-    @model_validator(mode="after")
-    def _scheme_matches_tls(self) -> BankSettings:
-        for name, url in self.partners.items():
-            if url.startswith("http://") and not self.insecure:
-                raise ValueError(f"partner {name!r} uses plain http; use https (or --insecure for development)")
-        return self
 
 
 def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ...]], str]) -> str:

@@ -89,7 +89,7 @@ def _seed(text: str) -> int | str:
 
 
 def _add_layer_limits(parser: argparse.ArgumentParser) -> None:
-    from parties.settings import LayerHostSettings as L
+    from partner.settings import LayerHostSettings as L
 
     g = parser.add_argument_group("what a bank may ask this service to hold")
     g.add_argument("--max-sessions", type=int, default=None,
@@ -121,7 +121,8 @@ def serve(args: argparse.Namespace) -> int:
     # Imported here, not at the top: --help and a mistyped flag need none of torch, pandas or FastAPI.
     from alignment.parallel import start_fork_server
     from parties.cli import apply_process_settings, psi_limit_values, quota_values, service_values
-    from parties.settings import PartnerSettings, load_settings
+    from parties.settings import load_settings
+    from partner.settings import PartnerSettings
     from parties.transport.server import serve as serve_app
     from partner.service import create_app
 
@@ -151,7 +152,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_layers(args: argparse.Namespace) -> int:
     from parties.cli import apply_process_settings, quota_values, service_values
-    from parties.settings import BranchSettings, ComputeSettings, load_settings
+    from parties.settings import load_settings
+    from partner.settings import BranchSettings, ComputeSettings
     from parties.transport.server import serve as serve_app
     from partner.layer_service import create_layer_app
 

@@ -31,7 +31,7 @@ from alignment.psi import (
 from parties.errors import BadMessage, IntersectionTooSmall, UnknownSession
 from parties.protocol.control import AlignmentInfo
 from parties.protocol.psi import PsiOpenRequest, PsiOpenResponse
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.tables.table import AlignedRows, PartyTable, save_alignment
 from partner.banks import Banks
 

@@ -25,7 +25,7 @@ from parties.learning.training_session import PartySession
 from parties.protocol.codec import Precision
 from parties.protocol.control import AlignmentInfo, SessionList, SessionSummary
 from parties.protocol.training import ModelFiles, PrivacyReport, TrainSessionInfo
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.storage.checkpoint import checkpoint_steps, remove_checkpoints
 from parties.storage.files import atomic_write_text
 from parties.tables.drift import WARN_PSI, Drift

@@ -40,7 +40,7 @@ from parties.learning.model import prepare_optimizers
 from parties.protocol import layers
 from parties.protocol.common import SCHEMA_VERSION
 from parties.protocol.wire import SAFETENSORS, all_finite, decode, encode, parse
-from parties.settings import LayerHostSettings
+from partner.settings import LayerHostSettings
 from parties.storage.checkpoint import remove_idle_sessions
 from parties.storage.files import private_dir
 from parties.storage.quota import FOLDER_BYTES, DiskQuota

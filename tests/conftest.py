@@ -14,7 +14,8 @@ import pytest
 from alignment.parallel import WorkerPool
 from bank.service.app import create_app as create_bank_app
 from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
-from parties.settings import BankSettings, PartnerSettings
+from bank.settings import BankSettings
+from partner.settings import PartnerSettings
 from parties.transport.server import ServerThread
 from parties.transport.tls import TLSFiles, write_dev_pki
 from partner.service import create_app as create_partner_app

@@ -24,7 +24,9 @@ from parties.cli import run_cli
 from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
-from parties.settings import BankSettings, LayerHostSettings, ServiceSettings
+from bank.settings import BankSettings
+from parties.settings import ServiceSettings
+from partner.settings import LayerHostSettings
 
 PARSERS = {
     "bank": bank_cli.build_parser,

@@ -15,7 +15,7 @@ from bank.vertical.http_partner import HttpPartner
 from bank.lab.bench.scale import write_synthetic_parties
 from parties.errors import PeerError
 from parties.limits import PsiLimits
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread

@@ -40,7 +40,7 @@ from parties.learning.model import build_bottom, build_optimizer, mlp
 from parties.protocol import layers
 from parties.protocol.common import fill
 from parties.protocol.wire import SAFETENSORS, decode, encode
-from parties.settings import BranchSettings, ComputeSettings
+from partner.settings import BranchSettings, ComputeSettings
 from parties.storage.checkpoint import read_checkpoint
 from parties.tables.encoding import TabularEncoder
 from parties.tables.schema import PartySchema, sidecar_path

@@ -173,7 +173,8 @@ def test_a_bank_that_freezes_the_partner_inverts_weights_it_can_rebuild_and_not_
 
 def test_a_partner_with_the_monitor_on_starts_from_weights_only_its_secret_gives(tmp_path: Path) -> None:
     from parties.learning.model import build_bottom
-    from parties.settings import PartnerSettings, load_settings
+    from parties.settings import load_settings
+    from partner.settings import PartnerSettings
     from partner.__main__ import build_parser
 
     def settings(**values) -> PartnerSettings:
@@ -357,7 +358,8 @@ def test_off_task_bursts_in_under_half_a_window_count() -> None:
 
 def test_a_task_rank_the_embedding_cannot_exceed_is_refused_naming_the_flags(tmp_path: Path) -> None:
     from parties.errors import ConfigError
-    from parties.settings import PartnerSettings, load_settings
+    from parties.settings import load_settings
+    from partner.settings import PartnerSettings
 
     with pytest.raises(ConfigError, match=r"--hijack-task-rank 8 .* below the embedding width \(--cut-width 8\)"):
         load_settings(PartnerSettings, name="p", data=tmp_path / "x.csv", insecure=True,
@@ -447,7 +449,8 @@ def test_projecting_applies_only_the_task_part_of_what_reaches_the_weights() -> 
 
 def test_projecting_is_refused_without_the_rank_test_naming_the_flags(tmp_path: Path) -> None:
     from parties.errors import ConfigError
-    from parties.settings import PartnerSettings, load_settings
+    from parties.settings import load_settings
+    from partner.settings import PartnerSettings
 
     with pytest.raises(ConfigError, match="--hijack-monitor"):
         load_settings(PartnerSettings, name="p", data=tmp_path / "x.csv", insecure=True, monitor={"project": True})

@@ -13,7 +13,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.datastructures import State
 
 from parties.errors import Forbidden, OutOfOrder
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.transport.access import identify
 from parties.transport.app import create_party_app
 from parties.transport.client import make_client

@@ -34,7 +34,7 @@ from parties.protocol.common import fill
 from parties.protocol.layers import LayerStart
 from parties.protocol.wire import SAFETENSORS, encode
 from parties.limits import BankQuotas
-from parties.settings import BranchSettings, ComputeSettings
+from partner.settings import BranchSettings, ComputeSettings
 from parties.storage.quota import FOLDER_BYTES
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable, load_party_table

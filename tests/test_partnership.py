@@ -30,7 +30,7 @@ from bank.service.operator import BankOperator, JobFailed
 from parties.errors import DataError, OverBudget, PeerError, QuotaExceeded, StorageError, UnknownSession
 from parties.protocol.control import AlignmentRequest
 from parties.limits import BankQuotas, PsiLimits
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.storage.session_log import RESERVED, SessionLog, verify_log
 from parties.tables.table import load_party_table
 from parties.transport.access import peer_detail

@@ -13,7 +13,8 @@ from bank.service.app import create_app as create_bank_app
 from parties.errors import BadMessage
 from parties.protocol import common, control, psi, scoring, training
 from parties.protocol.wire import encode
-from parties.settings import BankSettings, PartnerSettings
+from bank.settings import BankSettings
+from partner.settings import PartnerSettings
 from parties.tables.encoding import UNSEEN
 from partner.service import create_app as create_partner_app
 

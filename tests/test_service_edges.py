@@ -27,7 +27,7 @@ from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import BadMessage
 from parties.protocol.wire import check_nesting, decode
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.storage.files import open_private_log, private_dir
 from parties.transport.client import make_client
 from parties.transport.tls import TLSFiles, client_ssl_context

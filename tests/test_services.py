@@ -273,7 +273,8 @@ def test_invalid_psi_messages_get_4xx_with_a_reason(pki, partition, start_partne
 
 def test_insecure_mode_works_but_only_with_a_declared_caller(write_csv, start_partner, start_bank, tmp_path) -> None:
     from bank.service.app import create_app as create_bank_app
-    from parties.settings import BankSettings, PartnerSettings
+    from bank.settings import BankSettings
+    from partner.settings import PartnerSettings
     from parties.transport.server import running_server
     from partner.service import create_app as create_partner_app
 

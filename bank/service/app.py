@@ -16,7 +16,7 @@ from parties.errors import NotAligned, OutOfOrder
 from parties.learning.model import prepare_optimizers
 from parties.protocol import control
 from parties.protocol.control import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
-from parties.settings import BankSettings
+from bank.settings import BankSettings
 from parties.tables.table import PartyTable
 from parties.transport.app import create_party_app, read_body, require_self
 

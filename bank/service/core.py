@@ -29,7 +29,7 @@ from bank.vertical.coordinator import Coordinator, TrainingOutcome
 from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
 from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.learning.trained_bottom import ScoringBottom
-from parties.settings import BankSettings
+from bank.settings import BankSettings
 from parties.tables.drift import judge_drift
 from parties.storage.files import atomic_write_bytes, atomic_write_text
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment

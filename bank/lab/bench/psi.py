@@ -27,7 +27,7 @@ from alignment import curve
 from alignment.parallel import WorkerPool
 from bank.service.aligner import align_with_partners
 from bank.vertical.http_partner import HttpPartner
-from parties.settings import PartnerSettings
+from partner.settings import PartnerSettings
 from parties.tables.table import FeatureSchema, PartyTable
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread
