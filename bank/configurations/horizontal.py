@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from bank.configurations.layer_peer import LayerPeer
+from bank.epochs import EpochBook
 from bank.vertical.schedule import Split, epoch_batches, split_rows
-from bank.configurations.split_run import ConfigurationSettings, EpochBook, ProgressFn
+from bank.configurations.split_run import ConfigurationSettings, ProgressFn
 from bank.task import Task
 from parties.errors import DataError, PeerError, PeerUnavailable, PeerUntrusted
 from parties.learning.config import OptimizerConfig
@@ -306,13 +307,15 @@ class HorizontalTrainer:
                 scores, targets, _ = self._scored("val")
                 val = self.task.metrics(targets, scores)["roc_auc"]
                 list(self._pool.map(lambda b: self.peers[b].checkpoint(self.steps[b]), self.order))
-                if book.record(epoch, float(np.mean(losses)), val, trained, steps=sum(self.steps.values()),
-                               eval_seconds=round(time.perf_counter() - began - trained, 4)):
+                row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_roc_auc": val,
+                       "epoch_seconds": round(trained, 4), "steps": sum(self.steps.values()),
+                       "eval_seconds": round(time.perf_counter() - began - trained, 4)}
+                if book.record(val, row):
                     best = (dict(self.steps), {"top": copy.deepcopy(self.top.state_dict()),
                                                "top_opt": copy.deepcopy(self.top_opt.state_dict())})
                 self.progress(f"epoch {epoch + 1}/{t.epochs}: validation ROC-AUC {val:.4f}", (epoch + 1) / t.epochs)
                 logger.info("epoch %d: validation ROC-AUC %.4f", epoch + 1, val)
-                if book.stop(epoch):
+                if book.stop:
                     break
             if t.restore_best and best is not None:
                 for b in self.order:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,10 +17,11 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bank.config import MAX_AUTO_BATCH, TopConfig, TrainingConfig
+from bank.epochs import EpochBook
 from parties.learning.config import BottomConfig, OptimizerConfig
 from parties.storage.files import atomic_write_text, private_dir
 
-__all__ = ["ConfigurationSettings", "EpochBook", "Configuration", "TrunkConfig", "write_configuration_run"]
+__all__ = ["ConfigurationSettings", "Configuration", "TrunkConfig", "write_configuration_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,29 +86,6 @@ class ConfigurationSettings(BaseModel):
         return self
 
 
-@dataclass
-class EpochBook:
-    """Per-epoch history, the best validation epoch and early stopping (validation ROC-AUC, higher is better)."""
-
-    patience: int
-    history: list[dict[str, Any]] = field(default_factory=list)
-    best_epoch: int = -1
-    best_auc: float = -np.inf
-    started: float = field(default_factory=time.perf_counter)
-
-    def record(self, epoch: int, loss: float, val_auc: float, seconds: float, **extra: Any) -> bool:
-        """Add an epoch; whether it is the best so far."""
-        self.history.append({"epoch": epoch + 1, "train_loss": loss, "val_roc_auc": val_auc,
-                             "epoch_seconds": round(seconds, 4), **extra})
-        better = val_auc > self.best_auc
-        if better:
-            self.best_epoch, self.best_auc = epoch, val_auc
-        return better
-
-    def stop(self, epoch: int) -> bool:
-        return epoch - self.best_epoch >= self.patience
-
-
 def write_configuration_run(
     out: Path, *, settings: ConfigurationSettings, book: EpochBook, test: dict[str, float],
     predictions: pd.DataFrame, communication: dict[str, dict[str, float]], extra: dict[str, Any],
@@ -123,7 +99,7 @@ def write_configuration_run(
     metrics = {
         "configuration": settings.configuration,
         "test": test,
-        "best_epoch": book.best_epoch + 1,
+        "best_epoch": book.best_epoch,
         "epochs_run": len(book.history),
         "mean_epoch_seconds": float(np.mean(epoch_seconds)) if epoch_seconds else 0.0,
         "communication": communication,

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from bank.config import TrainingConfig
+from bank.epochs import EpochBook
 from bank.configurations.layer_peer import LayerPeer
 from bank.vertical.schedule import Split, epoch_batches, split_rows
-from bank.configurations.split_run import ConfigurationSettings, EpochBook, ProgressFn
+from bank.configurations.split_run import ConfigurationSettings, ProgressFn
 from bank.task import Task
 from parties.errors import PeerError, UnknownSession
 from parties.learning.config import OptimizerConfig
@@ -224,11 +225,13 @@ class OwnerTrainer:
                                    for k, v in self._audit.items()}
                     continue
                 saved.append((epoch, step, self._own_state()))
-                if book.record(epoch, float(np.mean(losses)) if losses else float("nan"), val, trained, step=step,
-                               eval_seconds=round(time.perf_counter() - began - trained, 4)):
+                row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)) if losses else float("nan"),
+                       "val_roc_auc": val, "epoch_seconds": round(trained, 4), "step": step,
+                       "eval_seconds": round(time.perf_counter() - began - trained, 4)}
+                if book.record(val, row):
                     best = (step, saved[-1][2])
                 logger.info("epoch %d: validation ROC-AUC %.4f", epoch + 1, val)
-                if book.stop(epoch) or (t.max_steps is not None and step >= t.max_steps):
+                if book.stop or (t.max_steps is not None and step >= t.max_steps):
                     break
                 epoch += 1
             # The compute party may restart here too (all its steps are on disk by now): resume it at the step it

@@ -16,7 +16,6 @@ absent partners' embeddings withheld.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import logging
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from bank.epochs import EpochBook
 from bank.vertical.aggregation import get_aggregation
 from bank.scoring.bank_only import BankOnlyModel
 from bank.scoring.calibration import held_out_metrics, reliability
@@ -109,28 +109,22 @@ def fit_head(inputs: torch.Tensor, targets: torch.Tensor, split: Split, task: Ta
     """A head of the top model's shape on fixed inputs, with the joint training's schedule and early stopping."""
     head = mlp(inputs.shape[1], config.top.hidden, task.output_dim, activate_output=False, seed=config.top.seed)
     optimizer = build_optimizer(head.parameters(), config.top)
-    metric, mode = task.objective
     val = torch.from_numpy(split.val.astype(np.int64))
-    best: float | None = None
-    best_state, stale = copy.deepcopy(head.state_dict()), 0
+    book = EpochBook(config.patience, task.objective)
     for epoch in range(config.epochs):
         for rows in epoch_batches(split.train, config.batch, config.seed, epoch):
             loss = task.loss(head(inputs[rows]), targets[rows])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        if not len(val):
-            best_state = copy.deepcopy(head.state_dict())
+        if not len(val):  # nothing to choose an epoch on: the last one
             continue
         with torch.no_grad():
-            score = task.metrics(targets[val], task.scores(head(inputs[val])))[metric]
-        if best is None or (score > best if mode == "max" else score < best):
-            best, best_state, stale = score, copy.deepcopy(head.state_dict()), 0
-        else:
-            stale += 1
-            if stale >= config.patience:
-                break
-    head.load_state_dict(best_state)
+            book.record(task.metrics(targets[val], task.scores(head(inputs[val])))[book.metric], state=head.state_dict)
+        if book.stop:
+            break
+    if book.best_state is not None:
+        head.load_state_dict(book.best_state)
     return head.eval()
 
 

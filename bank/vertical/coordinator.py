@@ -9,7 +9,6 @@ keeps each party's embedding gradient to send with the next step.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 import uuid
@@ -29,6 +28,7 @@ from bank.vertical.local_steps import LocalTop
 from bank.vertical.party import TrainingParty
 from bank.vertical.recovery import Recovery
 from bank.vertical.schedule import Split, epoch_batches, split_rows
+from bank.epochs import EpochBook
 from bank.vertical.state import AuditRecord, LoopState
 from bank.scoring.subsets import partial_subsets
 from bank.task import Task
@@ -180,6 +180,10 @@ class Coordinator(Recovery):
         self.widths = {p.name: int(w) for p, w in zip(self.parties, widths)}
         return self._build_top()
 
+    def _book(self) -> EpochBook:
+        """An empty epoch book with the run's patience and the task's objective."""
+        return EpochBook(self.config.patience, self.task.objective)
+
     def _build_top(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         width = self.aggregation.width([self.widths[p.name] for p in self.parties])
         top = mlp(width, self.config.top.hidden, self.task.output_dim, activate_output=False, seed=self.config.top.seed)
@@ -229,13 +233,13 @@ class Coordinator(Recovery):
         if resume and self._checkpoint_steps():
             top, optimizer = self._reattach()
             self.top = top
-            loop = self._rollback(LoopState(grads=[]), optimizer, "resuming after the bank stopped")
+            loop = self._rollback(LoopState(grads=[], book=self._book()), optimizer, "resuming after the bank stopped")
         else:  # a session the bank stopped before its first checkpoint starts again, the same way
             if resume:
                 logger.warning("session %s: the bank has no checkpoint of it; starting it again", self.session_id)
             top, optimizer = self._start()
             self.top = top
-            loop = LoopState(grads=[None] * len(self.parties))
+            loop = LoopState(grads=[None] * len(self.parties), book=self._book())
         finished = False
         try:
             while True:
@@ -264,7 +268,7 @@ class Coordinator(Recovery):
             self._pool.shutdown(wait=False)
             self.writer.close()
         return TrainingOutcome(
-            session_id=self.session_id, history=loop.history, test_metrics=test, best_epoch=loop.best_epoch,
+            session_id=self.session_id, history=loop.book.history, test_metrics=test, best_epoch=loop.book.best_epoch,
             steps=loop.step, split=self.split, test_scores=scores, widths=self.widths, audit=self.audit,
             timings={"total_seconds": time.perf_counter() - started, "rollbacks": self.rollbacks,
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
@@ -274,9 +278,9 @@ class Coordinator(Recovery):
         """Every party writes its model (the best epoch's, if asked); the test rows are scored."""
         assert self.top is not None
         self.progress("finishing: the best epoch's weights, the model files, the test rows", TRAINING_SHARE)
-        restore = self.config.restore_best and loop.best_top is not None
+        restore = self.config.restore_best and loop.book.best_state is not None
         if restore:
-            self.top.load_state_dict(loop.best_top)
+            self.top.load_state_dict(loop.book.best_state)
         self.files = self._all(lambda p: p.finish(restore_best=restore))
         self.writer.flush()  # a failed checkpoint write fails the run, not just the next resume
         self.writer.check()
@@ -292,8 +296,7 @@ class Coordinator(Recovery):
         """Train from ``loop``'s position to the end; ``loop`` always says where training stands."""
         top = self.top
         assert top is not None
-        metric, mode = self.task.objective
-        better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
+        metric = loop.book.metric
         local = self.config.local_steps  # batches per exchange (1: exact)
         steps_per_epoch = -(-len(self.split.train) // (self.config.batch * local))
         # Each epoch ends with a flush step, which ``loop.step`` counts as well.
@@ -383,18 +386,13 @@ class Coordinator(Recovery):
                 if (kl := self.defense.pop_worst_kl(k)) is not None:  # Marvell's bound, on the epoch's worst batch
                     row[f"marvell_kl_{p.name}"] = kl
             row["seconds"] = time.perf_counter() - epoch_start
-            loop.history.append(row)
             logger.info("session %s epoch %d: train loss %.4f, val %s %.4f",
                         self.session_id, loop.epoch + 1, row["train_loss"], metric, val[metric])
-            if loop.best_score is None or better(val[metric], loop.best_score):
-                loop.best_score, loop.best_epoch, loop.stale = val[metric], loop.epoch + 1, 0
-                loop.best_top = copy.deepcopy(top.state_dict())
+            if loop.book.record(val[metric], row, state=top.state_dict):
                 self._all(lambda p: p.mark_best())
-            else:
-                loop.stale += 1
-                if loop.stale >= self.config.patience:
-                    logger.info("session %s: early stop after epoch %d", self.session_id, loop.epoch + 1)
-                    loop.done = True
+            elif loop.book.stop:
+                logger.info("session %s: early stop after epoch %d", self.session_id, loop.epoch + 1)
+                loop.done = True
             if self.config.max_steps is not None and loop.step >= self.config.max_steps:
                 loop.done = True
             loop.next_epoch()

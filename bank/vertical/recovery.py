@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bank.config import TrainingConfig
+from bank.epochs import EpochBook
 from bank.vertical.state import LoopState
 from parties.errors import ConfigError
 from parties.storage.checkpoint import (
@@ -55,6 +56,9 @@ class Recovery:
     def _build_top(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         raise NotImplementedError
 
+    def _book(self) -> EpochBook:
+        raise NotImplementedError
+
     def _is_checkpoint(self, step: int, flush: bool) -> bool:
         every = self.config.checkpoint_every
         return self.checkpoint_dir is not None and (flush or bool(every and (step + 1) % every == 0))
@@ -70,8 +74,8 @@ class Recovery:
         optim, optim_meta = flatten_optimizer(optimizer, "optim")
         tensors |= optim
         tensors |= {f"grads.{i}": g for i, g in enumerate(loop.grads) if g is not None}
-        if loop.best_top is not None:
-            tensors |= {f"best_top.{k}": v for k, v in loop.best_top.items()}
+        if loop.book.best_state is not None:
+            tensors |= {f"best_top.{k}": v for k, v in loop.book.best_state.items()}
         for i, (rows, zs) in enumerate(self.local_top.cache):
             tensors |= {f"cache.{i}.rows": rows.clone()} | {f"cache.{i}.z{k}": z.clone() for k, z in enumerate(zs)}
         meta = {"loop": loop.meta(), "optimizer": optim_meta, "session": self.session_id, "widths": self.widths,
@@ -108,9 +112,8 @@ class Recovery:
             cached = checkpoint.section(f"cache.{i}")
             self.local_top.cache.append((cached["rows"], [cached[f"z{k}"] for k in range(len(self.parties))]))
         grads = checkpoint.section("grads")
-        restored = LoopState.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))])
-        best = checkpoint.section("best_top")
-        restored.best_top = best or None
+        restored = LoopState.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))],
+                                       self._book(), checkpoint.section("best_top") or None)
         self.rollbacks += 1
         return restored
 
@@ -127,7 +130,7 @@ class Recovery:
         optimizer.load_state_dict(fresh.state_dict())
         self.writer.reset(None)
         self.rollbacks += 1
-        return LoopState(grads=[None] * len(self.parties))
+        return LoopState(grads=[None] * len(self.parties), book=self._book())
 
     def _reattach(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """After the bank restarted: find the session's parties again, from the bank's own checkpoints."""

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from bank.epochs import EpochBook
+
 __all__ = ["AuditRecord", "LoopState"]
 
 
@@ -41,16 +43,12 @@ class LoopState:
     """Where training stands: enough, with the parties' checkpoints, to continue exactly."""
 
     grads: list[torch.Tensor | None]
+    book: EpochBook
     epoch: int = 0
     batch: int = 0  # the next batch of this epoch
     step: int = 0  # the next step number
     flushed: bool = False
     losses: list[float] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    best_score: float | None = None
-    best_epoch: int = -1
-    best_top: dict[str, torch.Tensor] | None = None
-    stale: int = 0
     done: bool = False
 
     def next_epoch(self) -> None:
@@ -58,10 +56,11 @@ class LoopState:
 
     def meta(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch": self.batch, "step": self.step, "flushed": self.flushed,
-                "losses": self.losses, "history": self.history, "best_score": self.best_score,
-                "best_epoch": self.best_epoch, "stale": self.stale, "done": self.done}
+                "losses": self.losses, "done": self.done, **self.book.meta()}
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any], grads: list[torch.Tensor | None]) -> LoopState:
-        return cls(grads=grads, **{k: meta[k] for k in ("epoch", "batch", "step", "flushed", "losses", "history",
-                                                         "best_score", "best_epoch", "stale", "done")})
+    def from_meta(cls, meta: dict[str, Any], grads: list[torch.Tensor | None], book: EpochBook,
+                  best_state: Any = None) -> LoopState:
+        """The loop as ``meta`` left it; ``book`` (empty, with the run's patience and objective) takes its epochs."""
+        return cls(grads=grads, book=book.restore(meta, best_state),
+                   **{k: meta[k] for k in ("epoch", "batch", "step", "flushed", "losses", "done")})

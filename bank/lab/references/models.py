@@ -9,7 +9,6 @@ run's own train/validation/test rows.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostin
 from sklearn.linear_model import LogisticRegression, Ridge
 
 from bank.config import TopConfig
+from bank.epochs import EpochBook
 from bank.vertical.results import Run
 from bank.lab.references.unsplit import UnsplitModel
 from bank.task import Task
@@ -166,19 +166,16 @@ def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.n
     task = model.task
     y = torch.from_numpy(targets.astype(np.float32))
     val, test = (torch.from_numpy(splits[k]) for k in ("val", "test"))
-    best, best_state, stale = -1.0, None, 0
+    book = EpochBook(config["patience"])
     for epoch in range(config["epochs"]):
         model.train_batches(epoch_batches(splits["train"], config["batch_size"], seed, epoch), y)
         with torch.no_grad():
             auc = skm.roc_auc_score(targets[splits["val"]], task.scores(model.eval()(val)))
         model.train()
-        if auc > best:
-            best, best_state, stale = auc, copy.deepcopy(model.state_dict()), 0
-        else:
-            stale += 1
-            if stale >= config["patience"]:
-                break
-    model.load_state_dict(best_state)
+        book.record(auc, state=model.state_dict)
+        if book.stop:
+            break
+    model.load_state_dict(book.best_state)
     with torch.no_grad():
         return task.scores(model.eval()(test))
 

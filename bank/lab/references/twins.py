@@ -8,7 +8,6 @@ once, shuffled together: the reference the horizontal bars are measured against,
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from bank.configurations.horizontal import BranchLabels, fedavg
 from bank.configurations.u_shaped import OwnerData, owner_head
 from bank.vertical.schedule import epoch_batches
 from bank.configurations.split_run import ConfigurationSettings
+from bank.epochs import EpochBook
 from bank.task import Task
 from parties.learning.model import build_bottom, build_optimizer, mlp
 from parties.tables.encoding import TabularEncoder
@@ -38,18 +38,6 @@ class TwinOutcome:
     best_epoch: int
     models: dict[str, nn.Module]
     epoch_seconds: list[float] = field(default_factory=list)
-
-
-class _Early:
-    def __init__(self, patience: int) -> None:
-        self.patience, self.best, self.best_epoch, self.state = patience, -np.inf, -1, None
-        self.history: list[dict[str, Any]] = []
-
-    def record(self, epoch: int, val: float, state: Any) -> bool:
-        self.history.append({"epoch": epoch + 1, "val_roc_auc": val})
-        if val > self.best:
-            self.best, self.best_epoch, self.state = val, epoch, copy.deepcopy(state)
-        return epoch - self.best_epoch >= self.patience
 
 
 def _update(optimizers: list[torch.optim.Optimizer], loss: torch.Tensor) -> None:
@@ -84,7 +72,7 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
         with torch.no_grad():
             return task.scores(model(data.features[torch.from_numpy(positions)]))
 
-    early, step, seconds = _Early(t.patience), 0, []
+    book, step, seconds = EpochBook(t.patience), 0, []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         for rows in epoch_batches(split.train, t.batch, t.seed, epoch):
@@ -94,14 +82,15 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
             _update(optimizers, task.loss(model(data.features[rows]), data.targets[rows]))
         seconds.append(time.perf_counter() - began)
         val = task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val))["roc_auc"]
-        if early.record(epoch, val, model.state_dict()) or (t.max_steps is not None and step >= t.max_steps):
+        book.record(val, {"val_roc_auc": val}, state=model.state_dict)
+        if book.stop or (t.max_steps is not None and step >= t.max_steps):
             break
     if t.restore_best:
-        model.load_state_dict(early.state)
+        model.load_state_dict(book.best_state)
     test_scores = scores(split.test)
     test = task.metrics(data.targets[torch.from_numpy(split.test)], test_scores)
     names = ["bottom", "trunk", "head"] if len(modules) == 3 else ["bottom", "server"]
-    return TwinOutcome(test_scores, test, early.history, early.best_epoch, dict(zip(names, modules)), seconds)
+    return TwinOutcome(test_scores, test, book.history, book.best_epoch, dict(zip(names, modules)), seconds)
 
 
 def encode_branches(tables: dict[str, PartyTable], encoder: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -145,7 +134,7 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
         y = torch.cat([labels[b].targets[torch.from_numpy(getattr(labels[b].split, part))] for b in order])
         return np.concatenate(s), y
 
-    early, seconds = _Early(t.patience), []
+    book, seconds = EpochBook(t.patience), []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         if relay:
@@ -162,14 +151,16 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
                     average()
         seconds.append(time.perf_counter() - began)
         val = task.metrics(*reversed(scores("val")))["roc_auc"]
-        if early.record(epoch, val, {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()}):
+        book.record(val, {"val_roc_auc": val},
+                    state=lambda: {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()})
+        if book.stop:
             break
     if t.restore_best:
         for b in (order[:1] if relay else order):
-            bottoms[b].load_state_dict(early.state["bottom"])
-        top.load_state_dict(early.state["top"])
+            bottoms[b].load_state_dict(book.best_state["bottom"])
+        top.load_state_dict(book.best_state["top"])
     test_scores, y = scores("test")
-    return TwinOutcome(test_scores, task.metrics(y, test_scores), early.history, early.best_epoch,
+    return TwinOutcome(test_scores, task.metrics(y, test_scores), book.history, book.best_epoch,
                        {"bottom": bottoms[order[0]], "top": top}, seconds)
 
 
@@ -196,19 +187,21 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
         with torch.no_grad():
             return task.scores(model(x[torch.from_numpy(positions)]))
 
-    early, seconds = _Early(t.patience), []
+    book, seconds = EpochBook(t.patience), []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         for rows in epoch_batches(train, t.batch, t.seed, epoch):
             _update(optimizers, task.loss(model(x[rows]), y[rows]))
         seconds.append(time.perf_counter() - began)
-        if early.record(epoch, task.metrics(y[torch.from_numpy(val)], scores(val))["roc_auc"], model.state_dict()):
+        auc = task.metrics(y[torch.from_numpy(val)], scores(val))["roc_auc"]
+        book.record(auc, {"val_roc_auc": auc}, state=model.state_dict)
+        if book.stop:
             break
     if t.restore_best:
-        model.load_state_dict(early.state)
+        model.load_state_dict(book.best_state)
     test_scores = scores(test)
-    return TwinOutcome(test_scores, task.metrics(y[torch.from_numpy(test)], test_scores), early.history,
-                       early.best_epoch, {"bottom": bottom, "top": top}, seconds)
+    return TwinOutcome(test_scores, task.metrics(y[torch.from_numpy(test)], test_scores), book.history,
+                       book.best_epoch, {"bottom": bottom, "top": top}, seconds)
 
 
 def reference_for_run(out: Path, settings: ConfigurationSettings) -> dict[str, Any]:
@@ -240,11 +233,11 @@ def reference_for_run(out: Path, settings: ConfigurationSettings) -> dict[str, A
         features = encode_branches(tables, json.loads((out / "encoder.json").read_text()))
         twin = horizontal_twin(settings, task, labels, features)
         c = centralised(settings, task, labels, features)
-        reference["centralised"] = {"roc_auc": c.test["roc_auc"], "best_epoch": c.best_epoch + 1,
+        reference["centralised"] = {"roc_auc": c.test["roc_auc"], "best_epoch": c.best_epoch,
                                     "mean_epoch_seconds": float(np.mean(c.epoch_seconds))}
     twin_scores = twin.test_scores.astype(np.float32)
     reference["twin"] = {
-        "roc_auc": twin.test["roc_auc"], "best_epoch": twin.best_epoch + 1,
+        "roc_auc": twin.test["roc_auc"], "best_epoch": twin.best_epoch,
         "equal": bool(np.array_equal(split_scores, twin_scores)),
         "max_difference": float(np.abs(split_scores - twin_scores).max()) if len(twin_scores) else 0.0,
         "mean_epoch_seconds": float(np.mean(twin.epoch_seconds)),

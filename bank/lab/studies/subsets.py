@@ -12,7 +12,6 @@ Two questions about the bank's customers no partner holds (``python -m bank.lab 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from sklearn import metrics as skm
 
 from bank.scoring.bank_only import BankOnlyModel
 from bank.config import TopConfig
+from bank.epochs import EpochBook
 from bank.vertical.results import Run
 from bank.lab.references.models import _partner_bottom, _party_files, fit_unsplit, joined_features
 from bank.lab.references.unsplit import UnsplitModel
@@ -45,7 +45,7 @@ def _fit_mlp(x: torch.Tensor, y: torch.Tensor, train: np.ndarray, val: np.ndarra
     model = torch.nn.Sequential(build_bottom(x.shape[1], bottom),
                                 mlp(bottom.cut_width, top.hidden, 1, activate_output=False, seed=top.seed))
     optimizer = torch.optim.Adam(model.parameters(), lr=bottom.learning_rate)
-    best, state, stale = -1.0, copy.deepcopy(model.state_dict()), 0
+    book = EpochBook(patience)
     for epoch in range(epochs):
         for rows in epoch_batches(train, 1024, seed, epoch):
             loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x[rows]).squeeze(1), y[rows])
@@ -54,13 +54,10 @@ def _fit_mlp(x: torch.Tensor, y: torch.Tensor, train: np.ndarray, val: np.ndarra
             optimizer.step()
         with torch.no_grad():
             auc = _auc(y[val].numpy(), model(x[val]).squeeze(1).numpy())
-        if auc > best:
-            best, state, stale = auc, copy.deepcopy(model.state_dict()), 0
-        else:
-            stale += 1
-            if stale >= patience:
-                break
-    model.load_state_dict(state)
+        book.record(auc, state=model.state_dict)
+        if book.stop:
+            break
+    model.load_state_dict(book.best_state)
     return model.eval()
 
 
