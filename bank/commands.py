@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,9 @@ from pydantic import ValidationError
 
 from bank.config import TopConfig, TrainingConfig, json_settings
 from parties.errors import ConfigError
+from parties.flags import as_flags, flag_for, flag_values
 from parties.learning.config import BottomConfig
+from partner.settings import PartnerSettings
 
 if TYPE_CHECKING:
     from bank.service.operator import BankOperator
@@ -33,33 +34,17 @@ __all__ = [
 def serve(args: argparse.Namespace) -> int:
     from alignment.parallel import start_fork_server
     from bank.service.app import create_app
-    from parties.cli import apply_process_settings, psi_limit_values, service_values
     from bank.settings import BankSettings
-    from parties.settings import load_settings
+    from parties.cli import apply_process_settings, service_settings
     from parties.transport.server import serve as serve_app
 
-    settings = load_settings(
-        BankSettings, **service_values(args), label=args.label, task=args.task, partners=_partners(args.partner),
-        peer_retry_deadline=args.peer_retry_deadline, max_overlap=args.max_overlap, psi_limits=psi_limit_values(args),
-    )
+    settings = service_settings(args, BankSettings)
     assert isinstance(settings, BankSettings)
     apply_process_settings(settings.torch_threads, settings.cpus)
     table = settings.load_table()
     start_fork_server(settings.workers)
     serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0
-
-
-def _partners(items: list[str]) -> dict[str, str] | None:
-    if not items:
-        return None
-    out = {}
-    for item in items:
-        name, sep, url = item.partition("=")
-        if not sep or not name or not url:
-            raise ConfigError(f"--partner takes NAME=URL, got {item!r}")
-        out[name] = url
-    return out
 
 
 # --- the operator's commands: through the running bank service ---------------------------------------------
@@ -193,43 +178,28 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
 
 def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
-    config = _training_config(args.config, task=args.task, positive_label=args.positive_label, epochs=args.epochs,
-                              batch_size=args.batch_size, aggregation=args.aggregation, seed=args.seed,
-                              audit=args.audit, wire_precision=args.wire_precision, local_steps=args.local_steps,
-                              reuse_steps=args.reuse_steps, **_gradient_defense(args))
-    return _knob_applies(args, config)
+    given = flag_values(args, TrainingConfig)
+    return _knob_applies(given, _training_config(args.config, flags=given))
 
 
-def _gradient_defense(args: argparse.Namespace) -> dict[str, object]:
-    """The gradient defense's flags as training settings; a power the solver cannot use is refused by its flag."""
-    power = args.marvell_power
-    if power is not None and not (math.isfinite(power) and power > 0):
-        raise ConfigError(f"--marvell-power {power:g}: the noise power is a number above 0 (e.g. 4)")
-    persistence = args.marvell_persistence
-    if persistence is not None and not 0 <= persistence <= 1:
-        raise ConfigError(f"--marvell-persistence {persistence:g}: a share between 0 and 1 (e.g. 1)")
-    return {"gradient_defense": args.gradient_defense, "gradient_noise": args.gradient_noise, "marvell_power": power,
-            "marvell_persistence": persistence}
-
-
-def _knob_applies(args: argparse.Namespace, config: TrainingConfig) -> TrainingConfig:
+def _knob_applies(given: dict[str, object], config: TrainingConfig) -> TrainingConfig:
     """Refuse a defense's knob given for another defense: it would change nothing, silently."""
-    knobs = (("--marvell-power", "power", args.marvell_power, ("matched", "marvell")),
-             ("--marvell-persistence", "persistence", args.marvell_persistence, ("matched", "marvell")),
-             ("--gradient-noise", "noise scale", args.gradient_noise, ("isotropic",)))
-    for flag, knob, value, defenses in knobs:
-        if value is not None and config.gradient_defense not in defenses:
+    knobs = (("marvell_power", "power", ("matched", "marvell")),
+             ("marvell_persistence", "persistence", ("matched", "marvell")),
+             ("gradient_noise", "noise scale", ("isotropic",)))
+    for field, knob, defenses in knobs:
+        if field in given and config.gradient_defense not in defenses:
             named = " or ".join(defenses)
-            raise ConfigError(f"{flag} sets the {knob} of --gradient-defense {named}, not of "
-                              f"{config.gradient_defense}: give --gradient-defense {defenses[0]} too, or drop it")
+            raise ConfigError(f"{flag_for(TrainingConfig, (field,))} sets the {knob} of --gradient-defense {named}, "
+                              f"not of {config.gradient_defense}: give --gradient-defense {defenses[0]} too, or drop it")
     return config
 
 
-def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
+def _training_config(path: Path | None, flags: dict[str, object], **values: object) -> TrainingConfig:
+    """--config's file, then ``values`` the command sets, then the flags; a problem names the flag it came from."""
     from parties.settings import describe_problems
 
-    values = json_settings(path, '{"epochs": 20}')
-    values |= {k: v for k, v in overrides.items() if v is not None}
+    values = json_settings(path, '{"epochs": 20}') | values | flags
     where = f" in {path}" if path else ""
     misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
     if misplaced:
@@ -237,7 +207,8 @@ def _training_config(path: Path | None, **overrides: object) -> TrainingConfig:
     try:
         return TrainingConfig(**values)
     except ValidationError as exc:
-        problems = describe_problems(exc, lambda loc: ".".join(str(p) for p in loc))
+        problems = describe_problems(exc, lambda loc: flag_for(TrainingConfig, loc) if loc and loc[0] in flags
+                                     else ".".join(str(p) for p in loc))
         raise ConfigError(f"invalid training settings{where}: {problems}") from exc
 
 
@@ -256,18 +227,19 @@ def _misplaced(key: str) -> str:
 # --- the walkthrough: every party on this machine, end to end -----------------------------------------------
 
 
-def _check_partner_privacy(args: argparse.Namespace) -> None:
-    """The partners' privacy flags, checked here: a bad value is one line naming the flag, not a partner that
-    fails to start."""
-    from parties.learning.config import PrivacyConfig
+def _partner_defenses(given: dict[str, Any]) -> list[str]:
+    """The partners' defenses given to the walkthrough, checked here (a bad value is one line naming the flag,
+    not a partner that fails to start) and as the flags each partner's service is started with."""
+    from parties.learning.config import MonitorConfig, PrivacyConfig
     from parties.settings import describe_problems
+    from partner.settings import PartnerSettings
 
-    flags = {"clip": "--dp-clip", "noise": "--dp-noise", "nopeek": "--nopeek"}
-    values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in flags.items()}
-    try:
-        PrivacyConfig(**{k: v for k, v in values.items() if v is not None})
-    except ValidationError as exc:
-        raise ConfigError(describe_problems(exc, lambda loc: flags.get(str(loc[0]), str(loc[0])))) from exc
+    for key, model in (("privacy", PrivacyConfig), ("monitor", MonitorConfig)):
+        try:
+            model(**given.get(key, {}))
+        except ValidationError as exc:
+            raise ConfigError(describe_problems(exc, lambda loc: flag_for(PartnerSettings, (key, *loc)))) from exc
+    return as_flags(PartnerSettings, given)
 
 
 def walkthrough(args: argparse.Namespace) -> int:
@@ -282,21 +254,15 @@ def walkthrough(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} is for the relay and splitfed configurations (--configuration)")
 
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    training = _training_config(None, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, audit=args.audit,
-                                label_dp_epsilon=args.label_dp_epsilon, wire_precision=args.wire_precision,
-                                local_steps=args.local_steps, reuse_steps=args.reuse_steps, **_gradient_defense(args))
-    training = _knob_applies(args, training)
-    _check_partner_privacy(args)
-    if args.hijack_monitor and training.gradient_defense != "none":
+    given = flag_values(args, TrainingConfig)
+    training = _knob_applies(given, _training_config(None, given, seed=args.seed))
+    partner = flag_values(args, PartnerSettings)
+    partner_args = _partner_defenses(partner)
+    if partner.get("monitor", {}).get("watch") and training.gradient_defense != "none":
         # Both are this operator's choice here: refuse what would stop the run with a false alarm.
         raise ConfigError(f"--hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense "
                           f"{training.gradient_defense}): the rank test reads that noise as a hijack. Protect "
                           "labels with --label-dp-epsilon alongside it (see docs/explanation/privacy.md)")
-    partner_args = [f"--{flag.replace('_', '-')}={value}" for flag, value in (
-        ("dp_clip", args.dp_clip), ("dp_noise", args.dp_noise),
-        ("nopeek", args.nopeek), ("hijack_probe_every", args.hijack_probe_every)) if value is not None]
-    if args.hijack_monitor:
-        partner_args.append("--hijack-monitor")
     summary = run_walkthrough(
         WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
                           cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from parties.errors import ConfigError
+from parties.flags import Flag
 from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind
 
 __all__ = ["AggregationName", "json_settings", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
@@ -45,23 +46,25 @@ class TrainingConfig(BaseModel):
 
     task: TaskKind | None = Field(None, description="what the label is (default: the bank's: its service's --task, "
                                   "its schema file's, or what its label's values show)")
-    positive_label: str | None = None
-    aggregation: AggregationName = "concat"
+    positive_label: str | None = Field(None, description="binary: the label value that counts as positive "
+                                       "(default: 'yes' if present, else the second in sorted order)")
+    aggregation: AggregationName = Field("concat", description="how the top model combines the embeddings")
     bank_bottom: BottomConfig = BottomConfig()
     top: TopConfig = TopConfig()
-    epochs: int = Field(40, ge=1, le=10_000)
+    epochs: int = Field(40, ge=1, le=10_000, description="at most this many epochs (early stopping after patience "
+                        "epochs without improvement)")
     batch_size: int | None = Field(None, ge=1, le=1 << 16, description="training rows per step (default: adapts "
                                    f"to the table: the largest power of two at most a tenth of the training rows, "
                                    f"from {MIN_AUTO_BATCH} to {MAX_AUTO_BATCH})")
-    eval_batch_size: int = Field(8192, ge=1, le=1 << 16)
+    eval_batch_size: int = Field(8192, ge=1, le=1 << 16, description="rows per step when scoring")
     patience: int = Field(6, ge=1, description="epochs without a better validation score before stopping")
     stratify: bool = Field(False, description="stratify the train/validation/test split by label: its shuffles then "
                            "come from the bank's secret (a partner that replayed a stratified split read the labels), "
                            "so the split is reproducible only with defense_seed; default: a split from the public "
                            "seed that says nothing of the labels")
-    val_fraction: float = Field(0.1, gt=0, lt=0.5)
-    test_fraction: float = Field(0.1, gt=0, lt=0.5)
-    seed: int = 0
+    val_fraction: float = Field(0.1, gt=0, lt=0.5, description="share of the aligned rows kept to choose the epoch")
+    test_fraction: float = Field(0.1, gt=0, lt=0.5, description="share of the aligned rows kept to test on")
+    seed: int = Field(0, description="seed of the split and the batch order (public: every party sees the order)")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests, smoke runs)")
     restore_best: bool = Field(True, description="end with the weights of the best validation epoch")
     # A checkpoint costs each party about a millisecond of CPU (an fsync'ed write) beside training; a step on
@@ -69,7 +72,8 @@ class TrainingConfig(BaseModel):
     checkpoint_every: int = Field(
         500, ge=0, description="every party checkpoints every N steps (0: at epoch ends only)"
     )
-    partners: list[str] | None = Field(None, description="default: every configured partner")
+    partners: Annotated[list[str] | None, Flag(metavar="NAME,NAME")] = Field(
+        None, description="the partners to train with (default: every configured partner)")
     label_dp_epsilon: float | None = Field(
         None, gt=0, description="randomized-response label DP: flip each training label once, with prob 1/(1+e^ε)"
     )
@@ -82,12 +86,12 @@ class TrainingConfig(BaseModel):
     # 4 by measurement (bank-full, 8000 rows, 8 epochs, seeds 0-2): the per-epoch norm and direction leak AUCs
     # fall from 0.97 and 1.0 to 0.53 and 0.57 for 0.016 of test ROC-AUC; s = 1 leaves 0.61 and 0.63, and s = 16
     # costs 0.04. Per-step noise averages out across epochs: the row-mean attacks still reach 0.66 and 0.78.
-    marvell_power: float = Field(
+    marvell_power: Annotated[float, Flag(metavar="S")] = Field(
         4.0, gt=0, allow_inf_nan=False, description="matched, marvell: the noise power s, in units of the squared "
         "distance between the two classes' mean gradients in a batch (matched: the variance added along that "
         "difference; marvell: the noise's mean squared norm per row)",
     )
-    marvell_persistence: float = Field(
+    marvell_persistence: Annotated[float, Flag(metavar="RHO")] = Field(
         0.0, ge=0, le=1, description="matched, marvell: the share of each row's noise drawn once for the whole run "
         "rather than at every step; per batch the noise is the same, across epochs it no longer averages away",
     )
@@ -95,13 +99,13 @@ class TrainingConfig(BaseModel):
         "fp32", description="how step embeddings and gradients travel: fp32 is exact (split equals unsplit, bit for "
         "bit); fp16/bf16 halve the bytes, int8 (per-row scales) quarters them (parties/protocol/codec.py)",
     )
-    local_steps: int = Field(
+    local_steps: Annotated[int, Flag(metavar="K")] = Field(
         1, ge=1, le=32, description="communication-efficient mode (in the spirit of FedBCD): each round trip "
         "carries local_steps batches, and every party makes one update per batch from that round trip's "
         "embeddings and gradients, one round trip stale; 1 (the default) is exact: split equals unsplit, bit for "
         "bit",
     )
-    reuse_steps: int = Field(
+    reuse_steps: Annotated[int, Flag(metavar="R")] = Field(
         0, ge=0, le=64, description="with local_steps > 1: further updates per round trip at every party from the "
         "last two round trips' batches, each row weighted by how little its embedding has moved (CELU-VFL style)",
     )

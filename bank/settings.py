@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import argparse
+from typing import TYPE_CHECKING, Annotated, ClassVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from parties.flags import Flag, number
 from parties.learning.config import TaskKind
 from parties.limits import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.settings import ServiceSettings
@@ -25,20 +27,24 @@ class BankSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CUTLAYER_BANK_", extra="forbid", frozen=True)
     role: ClassVar[Role] = "bank"
 
-    label: str | None = Field(None, description="the label column; default: the schema file's, else y")
-    task: TaskKind | None = Field(None, description="what the label is: binary, multiclass or regression; default: "
-                                  "the schema file's, else inferred from the label's values")
-    partners: dict[str, str] = Field(default_factory=dict)
+    label: str | None = Field(None, description="label column (default: the schema file's, else y)")
+    task: TaskKind | None = Field(None, description="what the label is; its values are checked against it before "
+                                  "anything is aligned, and training learns it unless told otherwise (default: the "
+                                  "schema file's 'task', else inferred: two values binary, many numbers regression, "
+                                  "else multiclass)")
+    partners: Annotated[dict[str, str], Flag("--partner", parse=lambda text: _partner(text), repeat=True, collect=dict,
+                                             metavar="NAME=URL")] = Field(
+        default_factory=dict, description="a partner's name (its certificate's CN) and URL; repeat per partner")
     peer_timeout: float = Field(600.0, gt=0, description="seconds to wait for a partner's answer")
     peer_retry_deadline: float = Field(
         120.0, gt=0, description="seconds a silent partner is retried (it may be restarting) before training stops"
     )
     psi_limits: PsiLimits = Field(default_factory=lambda: PsiLimits(),
                                   description="per partner: what its PSI sessions may cost, checked before any blinding")
-    max_overlap: float = Field(
-        DEFAULT_MAX_OVERLAP, gt=0, le=1, description="the largest share of the bank's customers a partner may match before "
-        "anything is committed (a partner that claims IDs it does not hold learns which are the bank's customers "
-        "at the commit); an alignment or scoring may ask for its own")
+    max_overlap: Annotated[float, Flag(parse=lambda text: share(text), metavar="SHARE")] = Field(
+        DEFAULT_MAX_OVERLAP, gt=0, le=1, description="refuse, before anything is committed, a partner matching more "
+        "than this share of the bank's customers (a partner that claims IDs it does not hold learns them at the "
+        "commit); align and score may ask for their own")
 
     def load_table(self) -> PartyTable:
         from parties.tables.table import load_party_table
@@ -62,3 +68,18 @@ class BankSettings(ServiceSettings):
             if url.startswith("http://") and not self.insecure:
                 raise ValueError(f"partner {name!r} uses plain http; use https (or --insecure for development)")
         return self
+
+
+def _partner(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url:
+        raise argparse.ArgumentTypeError(f"takes NAME=URL, not {text!r}")
+    return name, url
+
+
+def share(text: str) -> float:
+    """An ``argparse`` type: a share above 0 and at most 1."""
+    value = number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share is above 0 and at most 1, e.g. 0.9")
+    return value

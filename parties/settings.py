@@ -6,17 +6,19 @@ Each role's own settings live with the role: ``bank.settings.BankSettings``, ``p
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from parties.errors import ConfigError
+from parties.flags import Flag, flag_for
 from parties.tables.ids import IdType
 from parties.transport.tls import Role, TLSFiles, is_loopback
 
@@ -32,38 +34,57 @@ logger = logging.getLogger(__name__)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        cpus = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus takes CPU numbers separated by commas, not {text!r}") from None
+    if any(c < 0 for c in cpus):
+        raise argparse.ArgumentTypeError(f"--cpus takes CPU numbers from 0, not {text!r}")
+    return cpus
+
+
 class ServiceSettings(BaseSettings):
     """What every party service needs."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
     role: ClassVar[Role]
 
-    name: str = Field(min_length=1, max_length=64, pattern=NAME.pattern)
-    data: Path
-    id_column: str | None = Field(None, description="default: the schema file's, else customer_id")
-    id_type: IdType | None = Field(None, description="integer (12, 12.0 and 0012 are one customer) or text (IDs as "
-                                   "written); default: the schema file's, else integer if every ID is one")
-    schema_file: Path | None = None
-    categorical: tuple[str, ...] = Field((), description="columns to treat as categorical (integer codes)")
-    numeric: tuple[str, ...] = Field((), description="columns to treat as numeric")
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    tls_dir: Path | None = None
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    insecure: bool = False
-    state_dir: Path | None = None
-    workers: int | None = Field(None, ge=1)
-    min_intersection: int = Field(1, ge=1)
-    max_body_bytes: int = Field(64 << 20, ge=1024)
+    name: str = Field(min_length=1, max_length=64, pattern=NAME.pattern,
+                      description="this party's name (its certificate's CN)")
+    data: Path = Field(description="this party's own CSV file")
+    id_column: str | None = Field(None, description="customer ID column (default: the schema file's, else customer_id)")
+    id_type: IdType | None = Field(None, description="integer: 12, 12.0 and 0012 are one customer; text: IDs as "
+                                   "written (default: the schema file's, else integer if every ID is a whole number)")
+    schema_file: Annotated[Path | None, Flag("schema")] = Field(
+        None, description="the table's schema file (default: <data>.schema.json if present, else inferred; "
+        "python -m data schema FILE writes one to edit)")
+    categorical: Annotated[tuple[str, ...], Flag(metavar="COL,COL")] = Field(
+        (), description="treat these columns as categorical (e.g. integer codes), whatever the schema says")
+    numeric: Annotated[tuple[str, ...], Flag(metavar="COL,COL")] = Field(
+        (), description="treat these columns as numeric, whatever the schema says")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: Annotated[int, Flag(default="0: any free port")] = Field(0, ge=0, le=65535, description="port to listen on")
+    tls_dir: Path | None = Field(None, description="folder with ca.pem, NAME.pem, NAME.key (as python -m parties "
+                                 "certs writes them); or give the three files one by one:")
+    tls_ca: Path | None = Field(None, description="the partnership's CA certificate (PEM)")
+    tls_cert: Path | None = Field(None, description="this party's certificate (PEM)")
+    tls_key: Path | None = Field(None, description="this party's private key (PEM)")
+    insecure: bool = Field(False, description="plain HTTP, no certificates, on a loopback address only: development "
+                           "on one machine (the command line only; the environment cannot turn TLS off)")
+    state_dir: Path | None = Field(None, description="where this party keeps caches, checkpoints and models "
+                                   "(default ./cutlayer-state/NAME)")
+    workers: int | None = Field(None, ge=1, description="PSI worker processes (default: every core)")
+    min_intersection: int = Field(1, ge=1, description="commit policy: refuse to keep fewer aligned rows; not a "
+                                  "privacy control: the PSI budgets are (see docs/explanation/security.md)")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="the largest request body a peer may send")
     header_timeout: float = Field(30.0, gt=0, description="seconds for a client's TLS handshake and request head")
     body_timeout: float = Field(60.0, gt=0, description="seconds for a request's body to arrive, once its head has")
-    ready_file: Path | None = None
+    ready_file: Path | None = Field(None, description='write {"url": ...} here once listening')
     torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
-    cpus: tuple[int, ...] | None = Field(
-        None, min_length=1, description="CPUs this service runs on (Linux); parties sharing a machine each get their own"
-    )
+    cpus: Annotated[tuple[int, ...] | None, Flag(parse=_cpu_list)] = Field(
+        None, min_length=1, description="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one "
+        "machine run best on CPUs of their own")
 
     @classmethod
     def settings_customise_sources(
@@ -147,30 +168,7 @@ def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ..
     return "; ".join(problems)
 
 
-#: Settings whose command-line flag is not simply the field's name with dashes.
-_FLAGS = {
-    "partners": "--partner", "schema_file": "--schema", "bottom.learning_rate": "--lr",
-    "privacy.clip": "--dp-clip", "privacy.noise": "--dp-noise", "privacy.nopeek": "--nopeek", "monitor.probe_every": "--hijack-probe-every",
-    "monitor.watch": "--hijack-monitor", "monitor.task_rank": "--hijack-task-rank", "monitor.project": "--hijack-project",
-    "psi_limits.peer_max_ids": "--peer-max-ids", "psi_limits.peer_ids_per_day": "--peer-ids-per-day",
-    "psi_limits.sessions_per_hour": "--psi-sessions-per-hour", "quotas.disk_per_bank": "--disk-quota-per-bank",
-    "quotas.checkpoint_ttl": "--checkpoint-ttl", "banks": "--bank",
-}
-
-
-def _flag(loc: tuple[int | str, ...]) -> str:
-    """The command-line flag behind a settings field (the environment variable has the same name)."""
-    dotted = ".".join(str(p) for p in loc)
-    for n in range(len(loc), 0, -1):  # the longest named prefix: a dict's key or a tuple's index is the field's
-        prefix = ".".join(str(p) for p in loc[:n])
-        if prefix in _FLAGS:
-            return _FLAGS[prefix]
-    if loc[0] in ("bottom",) and len(loc) > 1:
-        return "--" + str(loc[1]).replace("_", "-")
-    return "--" + dotted.replace("_", "-")
-
-
-_TLS_FLAGS = {"tls_dir": "--tls-dir", "tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key"}
+_TLS_FIELDS = ("tls_dir", "tls_ca", "tls_cert", "tls_key")
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 
 
@@ -188,7 +186,7 @@ def _check_transport_flags(cls: type[ServiceSettings], values: dict[str, object]
     flag, and refused without one: a service must not start in plain HTTP, nor
     in a mode its operator did not expect, because of a variable left in a shell.
     """
-    given = [flag for field, flag in _TLS_FLAGS.items() if values.get(field) is not None]
+    given = [flag_for(cls, (field,)) for field in _TLS_FIELDS if values.get(field) is not None]
     if values.get("insecure"):
         if given:
             raise ConfigError(f"--insecure turns TLS off and {', '.join(given)} turns it on: give one or the other")
@@ -213,4 +211,4 @@ def load_settings(cls: type[ServiceSettings], **values: object) -> ServiceSettin
     try:
         return cls(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        raise ConfigError(describe_problems(exc, _flag)) from exc
+        raise ConfigError(describe_problems(exc, lambda loc: flag_for(cls, loc))) from exc

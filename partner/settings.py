@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from parties.flags import Flag
 from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
 from parties.limits import BankQuotas, PsiLimits
 from parties.settings import NAME, ServiceSettings
@@ -25,9 +26,14 @@ class PartnerSettings(ServiceSettings):
     role: ClassVar[Role] = "partner"
 
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig,
-                                   description="embedding DP (off without a clip) and NoPeek (off at 0)")
-    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
+    privacy: Annotated[PrivacyConfig, Flag(prefix="dp-", group=(
+        "embedding noise (off unless --dp-clip is given): obfuscation against inversion, not differential privacy, "
+        "and no ε is claimed (docs/explanation/privacy.md); NoPeek: embeddings that reveal less of this partner's "
+        "features"))] = Field(default_factory=PrivacyConfig,
+                              description="embedding noise (off without a clip) and NoPeek (off at 0)")
+    monitor: Annotated[MonitorConfig, Flag(prefix="hijack-", group="the hijack monitor (off unless --hijack-monitor "
+                                            "or --hijack-probe-every)")] = Field(
+        default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
     max_training_sessions: int = Field(2, ge=1, description="live training sessions at once, per bank")
     training_session_ttl: float = Field(
         3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"
@@ -74,10 +80,10 @@ class LayerHostSettings(ServiceSettings):
         100, ge=1, description="branch: the fewest distinct rows column statistics are given on (sums of one row "
         "are that row's values)"
     )
-    banks: tuple[str, ...] = Field(
-        (), description="the banks (certificate names) this service holds layers for (required): whoever "
-        "starts a session holds its slots and disk, and on a branch sets a bottom's weights and asks for its "
-        "predictions, so it can read the branch's rows", validate_default=True,
+    banks: Annotated[tuple[str, ...], Flag("--bank", repeat=True, metavar="NAME")] = Field(
+        (), description="required: the bank this service holds layers for (its certificate name); repeat for "
+        "several. Each has its own sessions and disk; a branch names its own bank, since whoever starts a bottom "
+        "sets its weights and can read the branch's rows through it", validate_default=True,
     )
     quotas: BankQuotas = Field(default_factory=lambda: BankQuotas(), description="per bank: disk, and idle files")
 

@@ -175,6 +175,7 @@ def test_a_partner_with_the_monitor_on_starts_from_weights_only_its_secret_gives
     from parties.learning.model import build_bottom
     from parties.settings import load_settings
     from partner.settings import PartnerSettings
+    from parties.flags import flag_values
     from partner.__main__ import build_parser
 
     def settings(**values) -> PartnerSettings:
@@ -193,8 +194,9 @@ def test_a_partner_with_the_monitor_on_starts_from_weights_only_its_secret_gives
     pinned = MonitorConfig(watch=True, seed=3)  # a study's pin repeats them
     assert torch.equal(BottomTrainer(x, watching.bottom, monitor=pinned).model[0].weight,
                        BottomTrainer(x, watching.bottom, monitor=pinned).model[0].weight)
-    parse = lambda *flags: build_parser().parse_args(["serve", "--name", "p", "--data", "x.csv", *flags])  # noqa: E731
-    assert parse("--seed", "secret").seed == "secret" and parse("--seed", "4").seed == 4
+    parse = lambda *flags: flag_values(build_parser().parse_args(["serve", "--name", "p", "--data", "x.csv", *flags]),  # noqa: E731
+                                       PartnerSettings)["bottom"]["seed"]
+    assert parse("--seed", "secret") is None and parse("--seed", "4") == 4  # None: drawn from the secret
     with pytest.raises(SystemExit):
         parse("--seed", "four")
     with pytest.raises(ValueError, match="secret"):

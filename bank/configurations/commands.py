@@ -25,9 +25,8 @@ __all__ = ["add_configuration_commands", "configuration_settings", "configuratio
 
 
 #: Walkthrough flags that only the vertical configuration has (PSI, partners and their defenses, the wire).
-VERTICAL_ONLY = ("workers", "wire_precision", "local_steps", "reuse_steps", "dp_clip", "dp_noise",
-                 "nopeek", "hijack_monitor", "hijack_probe_every", "label_dp_epsilon", "gradient_defense",
-                 "gradient_noise", "marvell_power", "marvell_persistence", "max_steps")
+#: The walkthrough's training settings the configurations take too; the rest of its flags are the vertical flow's.
+SHARED_TRAINING = ("epochs", "audit")
 
 
 def configuration_settings(configuration: str, path: Path | None, **overrides: object) -> Any:
@@ -55,6 +54,12 @@ def configuration_settings(configuration: str, path: Path | None, **overrides: o
         raise ConfigError(f"invalid settings{where}: {problems}") from exc
 
 
+def _training_flags(args: argparse.Namespace) -> dict[str, Any]:
+    from parties.flags import flag_values
+
+    return flag_values(args, TrainingConfig)
+
+
 def _tls_or_insecure(args: argparse.Namespace) -> TLSFiles | None:
     from parties.transport.tls import TLSFiles
 
@@ -79,7 +84,7 @@ def _one_url(item: str, flag: str) -> tuple[str, str]:
 def train_owner(args: argparse.Namespace) -> int:
     from bank.configurations.runs import owner_run
 
-    settings = configuration_settings(args.configuration, args.config, epochs=args.epochs, seed=args.seed,
+    settings = configuration_settings(args.configuration, args.config, **_training_flags(args),
                                        audit=args.audit)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     metrics = owner_run(settings, args.data, label=args.label, compute=_one_url(args.compute, "--compute"),
@@ -95,7 +100,7 @@ def train_branches(args: argparse.Namespace) -> int:
     if not args.branch:
         raise ConfigError("give every branch: --branch NAME=URL, once per branch")
     branches = dict(_one_url(b, "--branch") for b in args.branch)
-    settings = configuration_settings(args.configuration, args.config, epochs=args.epochs, seed=args.seed,
+    settings = configuration_settings(args.configuration, args.config, **_training_flags(args),
                                        audit=args.audit, fedavg_every=args.fedavg_every)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     metrics = horizontal_run(settings, args.labels, branches=branches, tls=_tls_or_insecure(args),
@@ -115,7 +120,14 @@ def _audit_if_asked(settings: Any, out: Path) -> None:
 def configuration_walkthrough(args: argparse.Namespace) -> int:
     from bank.configurations.runs import configuration_walkthrough as run_walkthrough
 
-    given = [f"--{k.replace('_', '-')}" for k in VERTICAL_ONLY if getattr(args, k, None) is not None]
+    from parties.flags import as_flags, flag_for, flag_values
+    from partner.settings import PartnerSettings
+
+    training = flag_values(args, TrainingConfig)
+    given = [flag_for(TrainingConfig, (k,)) for k in training if k not in SHARED_TRAINING]
+    given += [flag.partition("=")[0] for flag in as_flags(PartnerSettings, flag_values(args, PartnerSettings))]
+    if args.workers is not None:
+        given.insert(0, "--workers")
     if args.partners != 1:
         given.insert(0, "--partners")
     if given:
@@ -125,8 +137,8 @@ def configuration_walkthrough(args: argparse.Namespace) -> int:
         raise ConfigError(f"--branches and --fedavg-every are for relay and splitfed, not {args.configuration}")
     if args.configuration == "relay" and args.fedavg_every is not None:
         raise ConfigError("--fedavg-every is for splitfed: the relay hands one model on, it averages nothing")
-    settings = configuration_settings(args.configuration, None, epochs=args.epochs, seed=args.seed,
-                                       audit=args.audit, fedavg_every=args.fedavg_every)
+    settings = configuration_settings(args.configuration, None, epochs=training.get("epochs"), seed=args.seed,
+                                       audit=training.get("audit"), fedavg_every=args.fedavg_every)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     summary = run_walkthrough(settings, out, rows=args.rows, seed=args.seed, cache_dir=args.cache_dir,
                                         download=not args.no_download,
@@ -181,6 +193,7 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
 def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
     """``train-owner`` and ``train-branches``: the bank's side of the by-hand flows (docs/how-to/configurations.md)."""
     from parties.cli import command
+    from parties.flags import add_flags
 
     for name, summary, handler in (
         ("train-owner", "U-shaped or vanilla: train on the bank's own file with a running compute party "
@@ -214,8 +227,7 @@ def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
         o.add_argument("--config", type=Path, default=None,
                        help="a JSON file of settings (bank/configurations/split_run.py: ConfigurationSettings, without "
                             "'configuration'); flags given here override it")
-        o.add_argument("--epochs", type=int, default=None, help="at most this many epochs (default 40, early stopping)")
-        o.add_argument("--seed", type=int, default=None, help="seed of the split and the batch order (default 0)")
+        add_flags(o, TrainingConfig, only=("epochs", "seed"))
         o.add_argument("--audit", action="store_true", default=None,
                        help="record what crossed each cut and report what each party could infer from it")
         o.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")

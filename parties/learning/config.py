@@ -6,9 +6,12 @@ settings classes can state their defaults without importing torch.
 
 from __future__ import annotations
 
-from typing import Literal
+import argparse
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from parties.flags import Flag
 
 __all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "OptimizerConfig", "PrivacyConfig", "TaskKind"]
 
@@ -19,18 +22,28 @@ TaskKind = Literal["binary", "multiclass", "regression"]
 class OptimizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    optimizer: Literal["adam", "sgd"] = "adam"
-    learning_rate: float = Field(5e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="the optimizer")
+    learning_rate: Annotated[float, Flag("lr")] = Field(5e-3, gt=0, description="learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
 
 
 class BottomConfig(OptimizerConfig):
     """A party's own bottom model: its architecture, optimizer and seed are its own business."""
 
-    hidden: tuple[int, ...] = (64,)
-    cut_width: int = Field(16, ge=1, le=4096)
-    seed: int | None = Field(0, description="the initial weights' seed; None: drawn from the party's secret, so a "
-                             "counterparty cannot rebuild them (a partner with the hijack monitor on defaults to it)")
+    hidden: tuple[int, ...] = Field((64,), description="hidden layer widths, comma-separated")
+    cut_width: int = Field(16, ge=1, le=4096, description="embedding width sent to the bank")
+    seed: Annotated[int | None, Flag(parse=lambda text: _seed(text))] = Field(
+        0, description="the initial weights' seed, or 'secret' (None in a file) to draw them from this party's "
+        "secret, so a counterparty cannot rebuild them (a partner with the hijack monitor on defaults to secret)")
+
+
+def _seed(text: str) -> int | None:
+    if text == "secret":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'secret', got {text!r}") from None
 
 
 class PrivacyConfig(BaseModel):
@@ -40,12 +53,16 @@ class PrivacyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    clip: float | None = Field(None, gt=0, description="L2 bound on each released embedding row")
-    noise: float = Field(0.0, ge=0, description="Gaussian noise std added to each coordinate")
-    seed: int | None = Field(None, description="pin the partner's embedding noise for a study that must repeat (the "
+    clip: float | None = Field(None, gt=0, description="L2 bound on each released embedding row (embedding noise "
+                               "is off without it)")
+    noise: float = Field(0.0, ge=0, description="Gaussian noise std per coordinate, drawn from this partner's own "
+                         "secret")
+    seed: Annotated[int | None, Flag(cli=False)] = Field(None, description="pin the partner's embedding noise for a study that must repeat (the "
                              "bank, knowing the pin, can regenerate it); default: a secret drawn for each session")
-    nopeek: float = Field(0.0, ge=0, allow_inf_nan=False, description="weight α of α·dCor(features, embedding) "
-                          "added to this partner's own loss on each training batch (NoPeek; 0: off)")
+    nopeek: Annotated[float, Flag("--nopeek", metavar="ALPHA", default="0: off")] = Field(
+        0.0, ge=0, allow_inf_nan=False, description="add ALPHA x the distance correlation between this partner's "
+        "features and its embedding of each training batch to its own loss, so the bank decodes less of the "
+        "features; costs some accuracy (more at larger ALPHA) and O(batch size squared) compute per update")
 
     @property
     def embedding_noise(self) -> bool:
@@ -65,9 +82,11 @@ class MonitorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    watch: bool = Field(False, description="the rank test: read every gradient the bank returns (no probe, no "
-                        "extra byte, training unchanged) and alarm when it moves more directions than a task can")
-    task_rank: int = Field(1, ge=1, le=4096, description="the task's output width: 1 for a binary or regression "
+    watch: Annotated[bool, Flag("monitor")] = Field(
+        False, description="watch for a hijacking bank with the rank test: read every gradient the bank returns and "
+        "stop when they move more directions than the task can, or wander further than the bank's model learns "
+        "(no extra bytes; training unchanged unless it alarms; not with a bank that adds gradient noise)")
+    task_rank: Annotated[int, Flag(metavar="K")] = Field(1, ge=1, le=4096, description="the rank test's task output width: 1 for a binary or regression "
                            "task, the number of classes for a multiclass one")
     window: int = Field(20, ge=1, description="training steps the rank test reads before it judges, and over which "
                         "it takes the mean off-task share")
@@ -82,11 +101,13 @@ class MonitorConfig(BaseModel):
                           "the rest, where a bank that stays under the limits hides its hijack, never reaches "
                           "the weights. Training then differs slightly from an unmonitored partner's")
     on_alarm: Literal["stop", "warn"] = Field("stop", description="stop applying gradients, or log and go on")
-    probe_every: int = Field(0, ge=0, description="copy probes every N steps (0: off)")
+    probe_every: Annotated[int, Flag(default="0: off")] = Field(
+        0, ge=0, description="watch for a hijacking bank with copy probes every N steps (a bank that knows them "
+        "evades them)")
     pairs: int = Field(4, ge=1, description="embeddings copied per probe step")
     threshold: float = Field(1e-3, gt=0, description="alarm when the median relative difference is under this")
     min_pairs: int = Field(8, ge=1, description="pairs observed before any verdict")
-    seed: int | None = Field(None, description="pin which rows are probes, for a study that must repeat (a bank that "
+    seed: Annotated[int | None, Flag(cli=False)] = Field(None, description="pin which rows are probes, for a study that must repeat (a bank that "
                              "knows the pin knows the probes); default: a secret drawn for each session")
 
     @property
