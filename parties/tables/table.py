@@ -14,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
-from safetensors import safe_open
-from safetensors.torch import save as save_tensors
+from safetensors.numpy import save as save_tensors
 
 from parties.errors import DataError
 from parties.storage.files import atomic_write_bytes
@@ -294,7 +292,7 @@ def _table_digest(table: PartyTable) -> str:
 def save_alignment(folder: Path, table: PartyTable, alignment: AlignedRows) -> None:
     """Keep the committed alignment on this party's disk, so a restarted service still has it."""
     blob = save_tensors(
-        {"rows": torch.from_numpy(np.ascontiguousarray(alignment.rows, dtype=np.int64))},
+        {"rows": np.ascontiguousarray(alignment.rows, dtype=np.int64)},
         metadata={"alignment_id": alignment.alignment_id, "table": _table_digest(table)},
     )
     atomic_write_bytes(Path(folder) / "alignment.safetensors", blob)
@@ -305,9 +303,11 @@ def load_alignment(folder: Path, table: PartyTable) -> AlignedRows | None:
     path = Path(folder) / "alignment.safetensors"
     if not path.exists():
         return None
-    with safe_open(str(path), framework="pt") as f:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:  # numpy, not torch: reading a table needs no torch
         meta = f.metadata() or {}
-        rows = f.get_tensor("rows").numpy()
+        rows = f.get_tensor("rows")
     if meta.get("table") != _table_digest(table):
         logger.warning("ignoring the saved alignment: it was made on another version of %s", table.path.name)
         return None
