@@ -92,6 +92,7 @@ def test_vanillas_compute_party_holds_every_training_label(audited: Callable[[st
     assert set(inversion["feature"]) == FEATURES and inversion["value"].mean() > 0.2
 
 
+@pytest.mark.slow  # two horizontal runs with their audits; u-shaped and vanilla stay in the default run
 @pytest.mark.parametrize("configuration", ["relay", "splitfed"])
 def test_each_branch_reads_its_labels_and_the_bank_decodes_every_branchs_features(
         audited: Callable[[str], Path], configuration: str) -> None:

@@ -30,6 +30,7 @@ def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complet
     return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # four configurations trained through the by-hand commands
 def test_the_readmes_by_hand_configurations_train_the_walkthroughs_models(bank_full: Path, tmp_path: Path) -> None:
     """Every command of the block as written (a slice, 2 epochs, free ports); then the walkthroughs of the same
     configurations: the test predictions are equal, number for number."""

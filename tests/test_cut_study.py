@@ -3,8 +3,6 @@ what the notebook reads, with the default marked and every attack measured."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +54,7 @@ def small_study(bank_full: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     return out, table
 
 
+@pytest.mark.slow  # a sweep of the cut, trained
 def test_a_small_sweep_writes_every_column_the_notebook_reads(small_study: tuple[Path, pd.DataFrame]) -> None:
     out, table = small_study
     written = pd.read_csv(out / "cut_study.csv")
@@ -74,6 +73,7 @@ def test_a_small_sweep_writes_every_column_the_notebook_reads(small_study: tuple
     assert (written[["partner_ms_per_step", "bank_ms_per_step"]] > 0).all().all()
 
 
+@pytest.mark.slow  # a sweep of the cut, trained
 def test_the_sweep_is_deterministic(small_study: tuple[Path, pd.DataFrame], bank_full: Path, tmp_path: Path) -> None:
     _, table = small_study
     again = run_cut_study(tmp_path, rows=4000, epochs=4, grid=[CutPoint("width", cut_width=4)], known_labels=50,
@@ -87,9 +87,13 @@ def test_the_sweep_is_deterministic(small_study: tuple[Path, pd.DataFrame], bank
     ("--known-labels", "0", "--known-labels must be at least 1, got 0"),
     ("--rows", "-5", "--rows must be 0 or more, got -5"),
 ])
-def test_the_command_refuses_impossible_settings_in_one_line(tmp_path: Path, flag: str, value: str,
-                                                             message: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "bank.lab", "cut-study", "--out", str(tmp_path), flag, value],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1].endswith(message)
+def test_the_command_refuses_impossible_settings_in_one_line(tmp_path: Path, flag: str, value: str, message: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import bank.lab.__main__ as lab_cli
+    from parties.cli import run_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: lab_cli.main(["cut-study", "--out", str(tmp_path / "study"), flag, value]))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "study").exists()  # refused before any work

@@ -145,6 +145,7 @@ def test_with_an_honest_bank_the_rank_test_changes_nothing_in_training(small) ->
     assert all(torch.equal(a[1], b[1]) for a, b in zip(watched.sent, plain.sent))
 
 
+@pytest.mark.slow  # an attack demonstrated at study size
 def test_a_probe_aware_bank_evades_the_copy_probes(small) -> None:
     """Why the rank test exists: the copy probes catch FSHA, but not a bank that answers copies honestly."""
     with pytest.raises(HijackSuspected):
@@ -153,6 +154,7 @@ def test_a_probe_aware_bank_evades_the_copy_probes(small) -> None:
     assert len(evader.sent) == TRAINED  # trained to the end, unnoticed
 
 
+@pytest.mark.slow  # an attack demonstrated at study size
 def test_fsha_reconstructs_the_partners_features(small) -> None:
     """The attack the monitor is judged against works: FSHA decodes the partner's features, an honest bank's
     decoder does not."""
@@ -267,6 +269,7 @@ def test_wilson_intervals() -> None:
     assert low < 0.05 < high and high == pytest.approx(0.2361, abs=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)  # a small study of its own: minutes on a loaded two-core machine
 def test_the_study_writes_a_row_per_bank_with_its_rates(tmp_path: Path, bank_full: Path) -> None:
     config = StudyConfig(rows=1500, epochs=2, aux_rows=1000)

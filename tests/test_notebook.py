@@ -34,8 +34,9 @@ from parties.storage.layout import model_folder
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 CONFIGURATIONS = ["u-shaped", "vanilla", "relay", "splitfed"]
 # The module fixtures run the walkthrough, a privacy, hijack and cut study and four configurations: longer
-# than one test's 600 s on a loaded two-core machine, so the module has its own budget.
-pytestmark = pytest.mark.timeout(1800)
+# than one test's 600 s on a loaded two-core machine, so the module has its own budget, and runs with the slow
+# tests (`python -m pytest -m slow`).
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ from parties.transport.process import ServiceProcess
 #: The walkthrough's joint test ROC-AUC (README), which the subset models, trained after it, must not change.
 JOINT_AUC = 0.9342
 
+#: A walkthrough on all of bank-full and its scoring: study-sized.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def walkthrough(bank_full: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
