@@ -23,9 +23,8 @@ from parties.cli import (
     run_cli,
 )
 from parties.flags import add_flags
-from parties.learning.config import BottomConfig
+from parties.learning.config import BottomConfig, PartnerDefenses
 from bank.settings import BankSettings, share
-from partner.settings import PartnerSettings
 
 
 def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(w, TrainingConfig, only=WALKTHROUGH_TRAINING)
     d = w.add_argument_group("the bank's defenses (all off by default: see docs/explanation/privacy.md)")
     add_flags(w, TrainingConfig, only=WALKTHROUGH_DEFENSES, group=d)
-    add_flags(w, PartnerSettings, only=("privacy", "monitor"))  # each partner's, handed to its service
+    add_flags(w, PartnerDefenses)  # each partner's own, handed to its service
     add_log_level(w)
     return parser
 

@@ -18,8 +18,7 @@ from pydantic import ValidationError
 from bank.config import TopConfig, TrainingConfig, json_settings
 from parties.errors import ConfigError
 from parties.flags import as_flags, flag_for, flag_values
-from parties.learning.config import BottomConfig
-from partner.settings import PartnerSettings
+from parties.learning.config import BottomConfig, PartnerDefenses
 
 if TYPE_CHECKING:
     from bank.service.operator import BankOperator
@@ -230,16 +229,13 @@ def _misplaced(key: str) -> str:
 def _partner_defenses(given: dict[str, Any]) -> list[str]:
     """The partners' defenses given to the walkthrough, checked here (a bad value is one line naming the flag,
     not a partner that fails to start) and as the flags each partner's service is started with."""
-    from parties.learning.config import MonitorConfig, PrivacyConfig
     from parties.settings import describe_problems
-    from partner.settings import PartnerSettings
 
-    for key, model in (("privacy", PrivacyConfig), ("monitor", MonitorConfig)):
-        try:
-            model(**given.get(key, {}))
-        except ValidationError as exc:
-            raise ConfigError(describe_problems(exc, lambda loc: flag_for(PartnerSettings, (key, *loc)))) from exc
-    return as_flags(PartnerSettings, given)
+    try:
+        PartnerDefenses(**given)
+    except ValidationError as exc:
+        raise ConfigError(describe_problems(exc, lambda loc: flag_for(PartnerDefenses, loc))) from exc
+    return as_flags(PartnerDefenses, given)
 
 
 def walkthrough(args: argparse.Namespace) -> int:
@@ -256,7 +252,7 @@ def walkthrough(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     given = flag_values(args, TrainingConfig)
     training = _knob_applies(given, _training_config(None, given, seed=args.seed))
-    partner = flag_values(args, PartnerSettings)
+    partner = flag_values(args, PartnerDefenses)
     partner_args = _partner_defenses(partner)
     if partner.get("monitor", {}).get("watch") and training.gradient_defense != "none":
         # Both are this operator's choice here: refuse what would stop the run with a false alarm.

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from parties.flags import Flag
-from parties.learning.config import BottomConfig, MonitorConfig, PrivacyConfig
+from parties.learning.config import BottomConfig, MonitorConfig, MonitorFlags, PrivacyConfig, PrivacyFlags
 from parties.limits import BankQuotas, PsiLimits
 from parties.settings import NAME, ServiceSettings
 from parties.transport.tls import Role
@@ -26,14 +26,10 @@ class PartnerSettings(ServiceSettings):
     role: ClassVar[Role] = "partner"
 
     bottom: BottomConfig = Field(default_factory=BottomConfig, description="this partner's own bottom model")
-    privacy: Annotated[PrivacyConfig, Flag(prefix="dp-", group=(
-        "embedding noise (off unless --dp-clip is given): obfuscation against inversion, not differential privacy, "
-        "and no ε is claimed (docs/explanation/privacy.md); NoPeek: embeddings that reveal less of this partner's "
-        "features"))] = Field(default_factory=PrivacyConfig,
-                              description="embedding noise (off without a clip) and NoPeek (off at 0)")
-    monitor: Annotated[MonitorConfig, Flag(prefix="hijack-", group="the hijack monitor (off unless --hijack-monitor "
-                                            "or --hijack-probe-every)")] = Field(
-        default_factory=MonitorConfig, description="hijack monitor (off unless watch or probe_every)")
+    privacy: PrivacyFlags = Field(default_factory=PrivacyConfig,
+                                  description="embedding noise (off without a clip) and NoPeek (off at 0)")
+    monitor: MonitorFlags = Field(default_factory=MonitorConfig,
+                                  description="hijack monitor (off unless watch or probe_every)")
     max_training_sessions: int = Field(2, ge=1, description="live training sessions at once, per bank")
     training_session_ttl: float = Field(
         3600.0, gt=0, description="seconds an idle training session stays live (then only resumable from disk)"

@@ -137,6 +137,7 @@ def test_train_takes_every_training_setting_as_a_flag_and_the_walkthrough_hands_
         tmp_path: Path) -> None:
     from bank.commands import _partner_defenses
     from bank.config import TrainingConfig
+    from parties.learning.config import PartnerDefenses
     from parties.flags import flag_values
 
     actions = {a.option_strings[0]: a for a in _subparser(bank_cli.build_parser, "train")._actions if a.option_strings}
@@ -149,7 +150,7 @@ def test_train_takes_every_training_setting_as_a_flag_and_the_walkthrough_hands_
         ["--epochs", "3", "--dp-clip", "1", "--dp-noise", "0.5", "--hijack-monitor", "--hijack-probe-every", "7",
          "--nopeek", "0.1"])
     assert flag_values(args, TrainingConfig) == {"epochs": 3}
-    handed = _partner_defenses(flag_values(args, PartnerSettings))
+    handed = _partner_defenses(flag_values(args, PartnerDefenses))
     assert sorted(handed) == sorted(["--dp-clip=1.0", "--dp-noise=0.5", "--nopeek=0.1", "--hijack-monitor",
                                      "--hijack-probe-every=7"])
     # What the walkthrough hands on, a partner's own command line reads back to the same settings.
@@ -163,3 +164,13 @@ def test_a_repeated_flag_gives_every_occurrence(tmp_path: Path) -> None:
         ["--name", "trunk", "--insecure", "--bank", "north", "--bank", "south"])
     settings = service_settings(args, ComputeSettings)
     assert isinstance(settings, ComputeSettings) and settings.banks == ("north", "south")
+
+
+def test_the_partner_defenses_the_walkthrough_takes_are_named_as_the_partners_own_flags() -> None:
+    from parties.learning.config import PartnerDefenses
+
+    paths = [path for path, info in _settings(PartnerDefenses)
+             if next((m for m in info.metadata if isinstance(m, Flag)), Flag()).cli]
+    assert len(paths) >= 15
+    for path in paths:
+        assert flag_for(PartnerDefenses, path) == flag_for(PartnerSettings, path)

@@ -53,7 +53,10 @@ def test_the_readme_opens_with_a_venv_the_install_and_the_two_commands() -> None
     assert lines[2:] == ["python -m bank walkthrough", "python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0" in ci and "'.[test]'" in ci
-    assert ci.strip().splitlines()[-1] == "python -m pytest"  # CI runs the README's test command
+    # CI runs the README's test command, then the slow tests it leaves out (pyproject's addopts: -m 'not slow').
+    ran = [" ".join(argv) for argv in _commands(ci) if argv[:3] == ["python", "-m", "pytest"]]
+    assert ran == ["python -m pytest", "python -m pytest -m slow"]
+    assert "-m 'not slow'" in (ROOT / "pyproject.toml").read_text()
 
 
 def test_the_by_hand_flow_writes_nothing_git_would_pick_up(tmp_path: Path) -> None:

@@ -121,11 +121,11 @@ def configuration_walkthrough(args: argparse.Namespace) -> int:
     from bank.configurations.runs import configuration_walkthrough as run_walkthrough
 
     from parties.flags import as_flags, flag_for, flag_values
-    from partner.settings import PartnerSettings
+    from parties.learning.config import PartnerDefenses
 
     training = flag_values(args, TrainingConfig)
     given = [flag_for(TrainingConfig, (k,)) for k in training if k not in SHARED_TRAINING]
-    given += [flag.partition("=")[0] for flag in as_flags(PartnerSettings, flag_values(args, PartnerSettings))]
+    given += [flag.partition("=")[0] for flag in as_flags(PartnerDefenses, flag_values(args, PartnerDefenses))]
     if args.workers is not None:
         given.insert(0, "--workers")
     if args.partners != 1:

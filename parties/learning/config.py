@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parties.flags import Flag
 
-__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "OptimizerConfig", "PrivacyConfig", "TaskKind"]
+__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "MonitorFlags", "OptimizerConfig", "PartnerDefenses",
+           "PrivacyConfig", "PrivacyFlags", "TaskKind"]
 
 #: What the bank's label is: it decides the loss, the metrics and how a label column is validated.
 TaskKind = Literal["binary", "multiclass", "regression"]
@@ -119,6 +120,24 @@ class MonitorConfig(BaseModel):
         if self.project and not self.watch:
             raise ValueError("project applies the rank test's fit: it needs the rank test (watch, --hijack-monitor)")
         return self
+
+
+#: A partner's defenses as settings of its service, their flags prefixed: ``--dp-clip``, ``--hijack-window``.
+PrivacyFlags = Annotated[PrivacyConfig, Flag(prefix="dp-", group=(
+    "embedding noise (off unless --dp-clip is given): obfuscation against inversion, not differential privacy, and "
+    "no ε is claimed (docs/explanation/privacy.md); NoPeek: embeddings that reveal less of this partner's features"))]
+MonitorFlags = Annotated[MonitorConfig, Flag(prefix="hijack-", group="the hijack monitor (off unless "
+                                             "--hijack-monitor or --hijack-probe-every)")]
+
+
+class PartnerDefenses(BaseModel):
+    """A partner's own defenses, named as its service's flags name them: what a command that starts partners
+    (the walkthrough) takes and hands on to each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    privacy: PrivacyFlags = Field(default_factory=PrivacyConfig, description="embedding noise and NoPeek")
+    monitor: MonitorFlags = Field(default_factory=MonitorConfig, description="the hijack monitor")
 
 
 class LocalSteps(BaseModel):
