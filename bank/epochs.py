@@ -61,6 +61,13 @@ class EpochBook:
             self.best_state = copy.deepcopy(state())
         return True
 
+    def record_validation(self, metrics: dict[str, float], row: dict[str, Any] | None = None,
+                          state: Callable[[], Any] | None = None) -> bool:
+        """``record`` an epoch from its validation metrics (``Task.metrics``): the objective's is its score, and
+        every one goes in its history row as ``val_<metric>``."""
+        return self.record(metrics[self.metric], {**(row or {}), **{f"val_{m}": v for m, v in metrics.items()}},
+                           state)
+
     @property
     def stop(self) -> bool:
         """Early stopping: ``patience`` epochs in a row without a better score."""

@@ -154,3 +154,26 @@ def test_a_party_that_never_answered_is_reported_within_seconds_not_retried_for_
         with pytest.raises(PeerUnavailable, match="it never answered: is the URL right"):
             peer.stats(list(range(200)))
     assert time.monotonic() - started < FIRST_CONTACT_DEADLINE + 5
+
+
+def test_the_by_hand_training_flags_reach_the_settings_and_a_task_the_labels_are_not_is_refused(
+        tmp_path: Path) -> None:
+    """In process: every training flag of ``train-owner`` reaches its setting (not only ``--epochs`` and ``--seed``);
+    ``--task binary`` on a four-class label is refused naming the count, before any party is called."""
+    from bank.__main__ import build_parser
+    from bank.configurations.commands import _training_flags, configuration_settings, train_owner
+    from parties.errors import DataError
+
+    data = tmp_path / "owner.csv"
+    pd.DataFrame({"customer_id": [f"c{i}" for i in range(40)], "x": range(40),
+                  "level": ["a", "b", "c", "d"] * 10}).to_csv(data, index=False)
+    argv = ["train-owner", "--configuration", "vanilla", "--data", str(data), "--label", "level",
+            "--compute", "c=https://127.0.0.1:1", "--insecure", "--out", str(tmp_path / "run")]
+    flags = ["--task", "binary", "--positive-label", "b", "--epochs", "3", "--patience", "2", "--seed", "5"]
+    args = build_parser().parse_args(argv + flags)
+    training = configuration_settings(args.configuration, None, **_training_flags(args)).training
+    assert (training.task, training.positive_label, training.epochs, training.patience, training.seed) == (
+        "binary", "b", 3, 2, 5)
+    with pytest.raises(DataError, match="binary task: the label column has 4 distinct values"):
+        train_owner(args)
+    assert not (tmp_path / "run").exists()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -179,6 +180,13 @@ def owner_split_run(pki: Path, tmp: Path, settings: ConfigurationSettings,
     return trainer, outcome, remote
 
 
+def _validation(history: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Each epoch's validation metrics (every task's: ``val_roc_auc``, ``val_log_loss``, ``val_mse``...)."""
+    rows = [{k: v for k, v in h.items() if k.startswith("val_")} for h in history]
+    assert rows and all(rows)
+    return rows
+
+
 def check_owner_against_twin(settings: ConfigurationSettings, table: PartyTable, outcome: OwnerOutcome,
                              remote: Weights) -> None:
     data = owner_data(table, settings.training)
@@ -191,15 +199,17 @@ def check_owner_against_twin(settings: ConfigurationSettings, table: PartyTable,
     else:
         assert outcome.head is None
         assert_same_weights(remote, twin.models["server"].state_dict(), "the compute party's server layers")
-    assert outcome.test_scores.dtype == twin.test_scores.dtype == np.float32
+    # Probabilities in float32; regression's predictions in the target's units, in float64 (``Task.scores``).
+    assert outcome.test_scores.dtype == twin.test_scores.dtype == (np.float64 if data.task.kind == "regression"
+                                                                   else np.float32)
     assert np.array_equal(outcome.test_scores, twin.test_scores)
     assert outcome.test == twin.test
-    assert [h["val_roc_auc"] for h in outcome.book.history] == [h["val_roc_auc"] for h in twin.history]
+    assert _validation(outcome.book.history) == _validation(twin.history)
     assert outcome.book.best_epoch == twin.best_epoch
     # Training moved every part, so the equalities are not of untouched initialisations.
     assert_moved(outcome.bottom.state_dict(), build_bottom(data.features.shape[1], settings.bottom).state_dict(),
                  "bottom")
-    start = compute_start(settings, "fresh")
+    start = compute_start(settings, "fresh", data.task)
     fresh = mlp(start.in_width, start.hidden, start.out_width, activate_output=start.kind == "trunk", seed=start.seed)
     assert_moved(remote, fresh.state_dict(), start.kind)
 
@@ -247,11 +257,11 @@ def check_horizontal_against_twin(settings: ConfigurationSettings, files: dict[s
     for name, bottom in bottoms.items():
         assert_same_weights(bottom, twin.models["bottom"].state_dict(), f"{name}'s bottom")
     assert_same_weights(outcome.top.state_dict(), twin.models["top"].state_dict(), "the bank's top")
-    scores = outcome.predictions["score"].to_numpy()
-    assert scores.dtype == twin.test_scores.dtype == np.float32
-    assert np.array_equal(scores, twin.test_scores)
+    scores = outcome.predictions[[c for c in outcome.predictions.columns if c.startswith("score")]].to_numpy()
+    assert scores.dtype == twin.test_scores.dtype == (np.float64 if task.kind == "regression" else np.float32)
+    assert np.array_equal(scores, twin.test_scores.reshape(scores.shape))
     assert outcome.test == twin.test
-    assert [h["val_roc_auc"] for h in outcome.book.history] == [h["val_roc_auc"] for h in twin.history]
+    assert _validation(outcome.book.history) == _validation(twin.history)
     fresh = build_bottom(next(iter(features.values())).shape[1], settings.bottom).state_dict()
     assert_moved(bottoms["branch-1"], fresh, "bottom")
 
@@ -316,6 +326,111 @@ def test_relay_is_sequential_training_of_one_model_on_the_concatenated_schedule(
         expected = np.concatenate([task.scores(top(bottom(x[torch.from_numpy(labels[b].split.test + int(offset[b]))])))
                                    for b in order])
     assert np.array_equal(outcome.predictions["score"].to_numpy(), expected)
+
+
+# --- every task ---------------------------------------------------------------------------------------------
+
+#: A label of each other task, from a column of bank-full (taken out of the features): four education levels, and
+#: the yearly balance in euros (a regression target in the thousands, which the task standardises).
+OTHER_TASKS = {"multiclass": "education", "regression": "balance"}
+
+
+def _with_label_of(path: Path, out: Path, task: str) -> Path:
+    """``path`` with its label replaced by the column ``OTHER_TASKS[task]`` (that column no longer a feature)."""
+    frame = pd.read_csv(path)
+    frame = frame.drop(columns=[LABEL]).rename(columns={OTHER_TASKS[task]: LABEL})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out, index=False)
+    return out
+
+
+def _relabelled_branches(files: dict[str, Path], out: Path, task: str) -> dict[str, Path]:
+    """The branches' files without the column that becomes the label, and the bank's labels file of it."""
+    column = OTHER_TASKS[task]
+    paths = {}
+    values = []
+    for name, path in _branches_of(files).items():
+        frame = pd.read_csv(path)
+        values.append(frame[["customer_id", column]])
+        paths[name] = out / name / f"{name}.csv"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        frame.drop(columns=[column]).to_csv(paths[name], index=False)
+    labels = read_labels(files["bank"]).drop(columns=[LABEL])
+    labels = labels.merge(pd.concat(values).rename(columns={column: LABEL}), on="customer_id", how="left")
+    paths["bank"] = out / "bank" / "labels.csv"
+    paths["bank"].parent.mkdir(parents=True, exist_ok=True)
+    labels.to_csv(paths["bank"], index=False)
+    return paths
+
+
+@pytest.mark.parametrize("task", ["multiclass", "regression"])
+@pytest.mark.parametrize("configuration", ["u-shaped", "vanilla"])
+def test_owner_configurations_learn_every_task_and_equal_their_twin(pki, owner_file: Path, tmp_path: Path,
+                                                                   configuration: str, task: str) -> None:
+    """The task is what the labels show, as in vertical: four classes (one logit each, cross-entropy at the
+    bank's head or, vanilla, at the compute party's server), or a standardised regression target (the
+    compute party receives the standardised targets). Weights and test scores equal the twin's, bit for bit."""
+    settings = tuned(configuration, training=TrainingConfig(epochs=2, batch_size=128, seed=7, restore_best=False))
+    assert settings.training.task is None  # inferred from the labels, as vertical does
+    table = load_party_table(_with_label_of(owner_file, tmp_path / "data" / "bank.csv", task), "customer_id", LABEL,
+                             labelled=True)
+    trainer, outcome, remote = owner_split_run(pki, tmp_path, settings, table)
+    assert trainer.data.task.kind == task
+    if task == "multiclass":
+        assert trainer.data.task.output_dim == 4 and outcome.test_scores.shape == (len(trainer.data.split.test), 4)
+        assert list(outcome.predictions.columns[2:]) == [f"score_{c}" for c in trainer.data.task.classes_]
+        assert outcome.book.metric == "log_loss" and outcome.test["accuracy"] > 0.4
+    else:
+        assert trainer.data.task.target_scale_ > 1000  # balances in euros: the loss sees them standardised
+        assert outcome.book.metric == "mse" and set(outcome.test) == {"mse", "rmse", "mae", "r2"}
+    assert outcome.book.history and all(f"val_{outcome.book.metric}" in h for h in outcome.book.history)
+    check_owner_against_twin(settings, table, outcome, remote)
+
+
+@pytest.mark.parametrize(("configuration", "task"), [("relay", "multiclass"), ("splitfed", "regression")])
+def test_horizontal_configurations_learn_every_task_and_equal_their_twin(pki, branch_files: dict[str, Path],
+                                                                        tmp_path: Path, configuration: str,
+                                                                        task: str) -> None:
+    """The bank's top ends in the task's outputs and its loss is the task's; a regression target is
+    standardised on every branch's training rows pooled. Bit for bit the twin's."""
+    files = _relabelled_branches(branch_files, tmp_path / "data", task)
+    settings = tuned(configuration, training=TrainingConfig(epochs=2, batch_size=96, seed=11, restore_best=False),
+                     fedavg_every=3)
+    trainer, outcome, bottoms = horizontal_split_run(pki, tmp_path, settings, files)
+    assert trainer.task.kind == task and outcome.book.metric == trainer.task.objective[0]
+    columns = [c for c in outcome.predictions.columns if c.startswith("score")]
+    assert len(columns) == (4 if task == "multiclass" else 1)
+    check_horizontal_against_twin(settings, files, outcome, bottoms)
+
+
+def test_a_server_session_takes_only_targets_its_task_can_learn(tmp_path: Path) -> None:
+    """A vanilla compute party checks what a bank sends as labels before its loss sees them: a class index
+    outside the logits, a 0.5 for a binary task, a NaN regression target, or one target too few is refused."""
+    from parties.errors import BadMessage
+    from parties.learning.layer_host import LayerSession
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    bad = {
+        "multiclass": [torch.tensor([0, 1, 2, 3]), torch.tensor([0.0, 1.0, 2.0, 1.0]), torch.tensor([0, 1, 2])],
+        "binary": [torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 1, 0, 1])],
+        "regression": [torch.tensor([0.0, float("nan"), 1.0, 2.0])],
+    }
+    good = {"multiclass": torch.tensor([0, 1, 2, 1]), "binary": torch.tensor([0.0, 1.0, 0.0, 1.0]),
+            "regression": torch.tensor([-0.5, 0.1, 1.3, 2.0])}
+    for task, labels in bad.items():
+        start = layers.LayerStart(session=task, kind="server", in_width=6, hidden=(5,),
+                                  out_width=3 if task == "multiclass" else 1, task=task)  # type: ignore[arg-type]
+        session = LayerSession(start, "bank", None)
+        for wrong in labels:
+            with pytest.raises(BadMessage, match="labels"):
+                session.train(1, x, wrong)
+        assert session.step == 0
+        grad, loss = session.train(1, x, good[task])
+        assert session.step == 1 and grad.shape == x.shape and math.isfinite(loss)
+    with pytest.raises(ValueError, match="one logit per class"):
+        layers.LayerStart(session="s", kind="server", in_width=6, out_width=1, task="multiclass")
+    with pytest.raises(ValueError, match="out_width must be 1"):
+        layers.LayerStart(session="s", kind="server", in_width=6, out_width=3, task="regression")
 
 
 # --- the defaults ---------------------------------------------------------------------------------------------

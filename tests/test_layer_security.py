@@ -487,9 +487,9 @@ def test_a_trunk_refuses_a_wrong_gradient(compute, clients, tensors, reason) -> 
 
 
 @pytest.mark.parametrize(("tensors", "reason"), [
-    ({"x": x(), "labels": torch.tensor(1.0)}, "labels must be float32 0/1, one per row"),
+    ({"x": x(), "labels": torch.tensor(1.0)}, "labels: one target per row (5), not shape ()"),
     ({"x": torch.tensor(1.0), "labels": torch.ones(5)}, "activations must be (rows, 4), not ()"),
-    ({"x": x(), "labels": torch.full((5,), 0.5)}, "labels must be float32 0/1, one per row"),
+    ({"x": x(), "labels": torch.full((5,), 0.5)}, "labels: binary targets are 0 or 1"),
     ({"x": x(), "labels": torch.full((5,), float("nan"))}, "tensor 'labels' holds NaN or infinite values"),
 ], ids=["scalar-labels", "scalar-x", "half-labels", "nan-labels"])
 def test_a_server_refuses_wrong_tensors(compute, clients, tensors, reason) -> None:

@@ -30,7 +30,8 @@ SHARED_TRAINING = ("epochs", "audit")
 
 
 def configuration_settings(configuration: str, path: Path | None, **overrides: object) -> Any:
-    """``ConfigurationSettings`` from an optional JSON file and flags (``None``: not given)."""
+    """``ConfigurationSettings`` from an optional JSON file and flags (``None``: not given): ``fedavg_every`` and
+    ``audit`` are the configuration's, every other flag a training setting (``TrainingConfig``)."""
     from bank.configurations.split_run import ConfigurationSettings
     from parties.settings import describe_problems
 
@@ -39,13 +40,11 @@ def configuration_settings(configuration: str, path: Path | None, **overrides: o
     if named != configuration:
         raise ConfigError(f"{path} is a {named} configuration's settings; this command runs {configuration}")
     training = dict(values.pop("training", {}) or {})
-    for key in ("epochs", "seed"):
-        if overrides.get(key) is not None:
-            training[key] = overrides[key]
-    if overrides.get("fedavg_every") is not None:
-        values["fedavg_every"] = overrides["fedavg_every"]
-    if overrides.get("audit"):
+    if (every := overrides.pop("fedavg_every", None)) is not None:
+        values["fedavg_every"] = every
+    if overrides.pop("audit", None):
         values["audit"] = True
+    training |= {key: value for key, value in overrides.items() if value is not None}  # every training flag given
     try:
         return ConfigurationSettings(configuration=configuration, training=TrainingConfig(**training), **values)
     except ValidationError as exc:
@@ -165,9 +164,10 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
     print(f"\nTest metrics (best epoch {summary['best_epoch']} of {summary['epochs_run']}):")
     for metric, value in summary["test"].items():
         print(f"  {metric:<10}{value:8.4f}")
+    metric = next(iter(summary["test"]))  # the task's first metric: roc_auc, accuracy or mse
     for branch, figures in summary.get("per_branch", {}).items():
         if figures:
-            print(f"  {branch:<10}roc_auc {figures['roc_auc']:.4f} on its own test customers")
+            print(f"  {branch:<10}{metric} {figures[metric]:.4f} on its own test customers")
     for name, comm in summary["communication"].items():
         print(f"\n{name}: {comm['round_trips']} round trips for {comm['training_steps']} training steps, "
               f"{comm['bytes_sent'] / 2**20:.1f} MiB sent, {comm['bytes_received'] / 2**20:.1f} MiB received"
@@ -181,11 +181,11 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
     if reference:
         twin = reference["twin"]
         same = "yes, bit for bit" if twin["equal"] else f"NO (largest score difference {twin['max_difference']:.3g})"
-        print(f"\nsingle-process twin: test roc_auc {twin['roc_auc']:.4f}; the split run equals it: {same}")
+        print(f"\nsingle-process twin: test {metric} {twin['test'][metric]:.4f}; the split run equals it: {same}")
         if "centralised" in reference:
-            c = reference["centralised"]
-            print(f"centralised training on all the bank's rows: test roc_auc {c['roc_auc']:.4f} "
-                  f"(split - centralised: {summary['test']['roc_auc'] - c['roc_auc']:+.4f})")
+            c = reference["centralised"]["test"]
+            print(f"centralised training on all the bank's rows: test {metric} {c[metric]:.4f} "
+                  f"(split - centralised: {summary['test'][metric] - c[metric]:+.4f})")
     if "wall_seconds" in summary:
         print(f"\nwall time: {summary['wall_seconds']} s")
 
@@ -227,7 +227,7 @@ def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
         o.add_argument("--config", type=Path, default=None,
                        help="a JSON file of settings (bank/configurations/split_run.py: ConfigurationSettings, without "
                             "'configuration'); flags given here override it")
-        add_flags(o, TrainingConfig, only=("epochs", "seed"))
+        add_flags(o, TrainingConfig, only=("task", "positive_label", "epochs", "patience", "seed"))
         o.add_argument("--audit", action="store_true", default=None,
                        help="record what crossed each cut and report what each party could infer from it")
         o.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")

@@ -46,7 +46,8 @@ from parties.protocol.common import SCHEMA_VERSION
 from parties.protocol.layers import LayerStart, StatsReply, ids_sha256
 from parties.tables.schema import POLICIES
 
-__all__ = ["BranchLabels", "HorizontalOutcome", "HorizontalTrainer", "branch_labels", "fedavg", "merge_encoder"]
+__all__ = ["BranchLabels", "HorizontalOutcome", "HorizontalTrainer", "branch_labels", "fedavg", "horizontal_top",
+           "merge_encoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +64,23 @@ class BranchLabels:
 
 def branch_labels(labels: pd.DataFrame, id_column: str, branch_column: str, label_column: str, task: Task,
                   settings: ConfigurationSettings) -> dict[str, BranchLabels]:
-    """Per branch (in sorted name order): its customers' labels in file order, and a seeded stratified split."""
+    """Per branch (in sorted name order): its customers' labels in file order, and a seeded stratified split.
+
+    A regression task's target scale is fitted here, on every branch's training rows pooled."""
     out = {}
     for name in sorted(labels[branch_column].astype(str).unique()):
         rows = labels[labels[branch_column].astype(str) == name]
         targets = task.targets(rows[label_column])
         out[name] = BranchLabels(name, ids_sha256(rows[id_column].astype(str).tolist()), targets,
                                  split_rows(len(rows), targets, task, settings.training))
+    task.fit_target_scale(torch.cat([b.targets[torch.from_numpy(b.split.train)] for b in out.values()]))
     return out
+
+
+def horizontal_top(settings: ConfigurationSettings, task: Task) -> nn.Sequential:
+    """The bank's top: from a branch's embedding to the task's outputs."""
+    return mlp(settings.bottom.cut_width, settings.top.hidden, task.output_dim, activate_output=False,
+               seed=settings.top.seed)
 
 
 def _schema_difference(reply: StatsReply, first: StatsReply) -> str:
@@ -153,7 +163,7 @@ class HorizontalTrainer:
         self.order = sorted(peers)
         self.progress = progress or (lambda message, fraction: None)
         self.session_id = session_id or f"{settings.configuration}-{uuid.uuid4().hex[:12]}"
-        self.top = mlp(settings.bottom.cut_width, settings.top.hidden, 1, activate_output=False, seed=settings.top.seed)
+        self.top = horizontal_top(settings, task)
         self.top_opt = build_optimizer(self.top.parameters(), settings.top)
         self.steps = dict.fromkeys(self.order, 0)
         self.train_rows = {b: len(labels[b].split.train) for b in self.order}
@@ -292,7 +302,7 @@ class HorizontalTrainer:
         t = self.settings.training
         try:
             self.start()
-            book = EpochBook(t.patience)
+            book = EpochBook(t.patience, self.task.objective)
             best: tuple[dict[str, int], dict[str, Any]] | None = None
             handed = None
             for epoch in range(t.epochs):
@@ -305,16 +315,17 @@ class HorizontalTrainer:
                     losses = self._splitfed_epoch(epoch)
                 trained = time.perf_counter() - began  # an epoch's time is its training steps (and averaging)
                 scores, targets, _ = self._scored("val")
-                val = self.task.metrics(targets, scores)["roc_auc"]
+                val = self.task.metrics(targets, scores)
                 list(self._pool.map(lambda b: self.peers[b].checkpoint(self.steps[b]), self.order))
-                row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_roc_auc": val,
+                row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                        "epoch_seconds": round(trained, 4), "steps": sum(self.steps.values()),
                        "eval_seconds": round(time.perf_counter() - began - trained, 4)}
-                if book.record(val, row):
+                if book.record_validation(val, row):
                     best = (dict(self.steps), {"top": copy.deepcopy(self.top.state_dict()),
                                                "top_opt": copy.deepcopy(self.top_opt.state_dict())})
-                self.progress(f"epoch {epoch + 1}/{t.epochs}: validation ROC-AUC {val:.4f}", (epoch + 1) / t.epochs)
-                logger.info("epoch %d: validation ROC-AUC %.4f", epoch + 1, val)
+                said = f"validation {book.metric} {val[book.metric]:.4f}"
+                self.progress(f"epoch {epoch + 1}/{t.epochs}: {said}", (epoch + 1) / t.epochs)
+                logger.info("epoch %d: %s", epoch + 1, said)
                 if book.stop:
                     break
             if t.restore_best and best is not None:
@@ -332,10 +343,12 @@ class HorizontalTrainer:
         per_branch = {}
         for b in self.order:
             y = self.labels[b].targets[torch.from_numpy(self.labels[b].split.test)]
-            per_branch[b] = self.task.metrics(y, per[b]) if 0 < float(y.mean()) < 1 else {}
+            # A branch whose test customers all have one label has no ROC-AUC.
+            one_class = self.task.kind == "binary" and not 0 < float(y.mean()) < 1
+            per_branch[b] = {} if one_class else self.task.metrics(y, per[b])
         predictions = pd.DataFrame({
             "branch": np.concatenate([[b] * len(self.labels[b].split.test) for b in self.order]),
             "position": np.concatenate([self.labels[b].split.test for b in self.order]),
-            "target": targets.numpy(), "score": scores})
+            "target": targets.numpy(), **self.task.score_columns(scores)})
         audit = {b: {k: np.concatenate(v) for k, v in a.items() if v} for b, a in self._audit.items()}
         return HorizontalOutcome(book, test, per_branch, predictions, dict(self.steps), self.top, self.encoder, audit)

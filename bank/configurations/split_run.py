@@ -58,22 +58,20 @@ class ConfigurationSettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _fixed_defaults(cls, values: Any) -> Any:
-        """These configurations learn binary tasks at vertical's batch size on bank-full's scale: what vertical
-        leaves to adapt to the table (``TrainingConfig.resolved``) is fixed here."""
+    def _fixed_batch(cls, values: Any) -> Any:
+        """These configurations train at vertical's batch size on bank-full's scale: what vertical leaves to adapt
+        to the table (``TrainingConfig.resolved``) is fixed here. The task, left unset, is what the labels show."""
         if isinstance(values, dict):
             training = values.get("training", TrainingConfig())
             if isinstance(training, dict):
                 training = TrainingConfig(**training)
-            update = {k: v for k, v in (("task", "binary"), ("batch_size", MAX_AUTO_BATCH))
-                      if getattr(training, k) is None}
-            values = {**values, "training": training.model_copy(update=update) if update else training}
+            if training.batch_size is None:
+                training = training.model_copy(update={"batch_size": MAX_AUTO_BATCH})
+            values = {**values, "training": training}
         return values
 
     @model_validator(mode="after")
-    def _binary(self) -> ConfigurationSettings:
-        if self.training.task != "binary":
-            raise ValueError("the U-shaped, vanilla and horizontal configurations train binary tasks")
+    def _vertical_only(self) -> ConfigurationSettings:
         unsupported = [name for name, on in (
             ("local_steps", self.training.local_steps != 1), ("wire_precision", self.training.wire_precision != "fp32"),
             ("gradient_defense", self.training.gradient_defense != "none"),

@@ -64,6 +64,7 @@ def owner_data(table: PartyTable, training: TrainingConfig) -> OwnerData:
     task = Task(training.task, training.positive_label).fit(table.labels)
     targets = task.targets(table.labels)
     split = split_rows(len(table), targets, task, training)
+    task.fit_target_scale(targets[torch.from_numpy(split.train)])
     encoder = TabularEncoder(table.schema).fit(table.features.iloc[split.train])
     return OwnerData(torch.from_numpy(encoder.transform(table.features)), targets, split, encoder, task)
 
@@ -73,23 +74,26 @@ def _optimizer(config: OptimizerConfig) -> OptimizerConfig:
                            weight_decay=config.weight_decay)
 
 
-def owner_head(settings: ConfigurationSettings) -> nn.Sequential | None:
-    """U-shaped: the bank's head after the trunk (one linear layer to the logit); vanilla: none."""
+def owner_head(settings: ConfigurationSettings, task: Task) -> nn.Sequential | None:
+    """U-shaped: the bank's head after the trunk (one linear layer to the task's outputs); vanilla: none."""
     if settings.configuration != "u-shaped":
         return None
-    return mlp(settings.trunk.width, (), 1, activate_output=False, seed=settings.top.seed)
+    return mlp(settings.trunk.width, (), task.output_dim, activate_output=False, seed=settings.top.seed)
 
 
-def compute_start(settings: ConfigurationSettings, session: str, resume_step: int | None = None) -> LayerStart:
-    """What the bank asks the compute party to hold: the trunk (U-shaped) or the server layers (vanilla)."""
+def compute_start(settings: ConfigurationSettings, session: str, task: Task,
+                  resume_step: int | None = None) -> LayerStart:
+    """What the bank asks the compute party to hold: the trunk (U-shaped) or the server layers and the task's
+    loss (vanilla)."""
     cut = settings.bottom.cut_width
     if settings.configuration == "u-shaped":
         t = settings.trunk
         return LayerStart(session=session, kind="trunk", in_width=cut, hidden=t.hidden, out_width=t.width,
                           seed=t.seed, optimizer=_optimizer(t), resume_step=resume_step)
     top = settings.top
-    return LayerStart(session=session, kind="server", in_width=cut, hidden=top.hidden, out_width=1, seed=top.seed,
-                      optimizer=_optimizer(top), resume_step=resume_step)
+    assert task.kind is not None, "fit the task first"
+    return LayerStart(session=session, kind="server", in_width=cut, hidden=top.hidden, out_width=task.output_dim,
+                      seed=top.seed, optimizer=_optimizer(top), resume_step=resume_step, task=task.kind)
 
 
 @dataclass
@@ -117,7 +121,7 @@ class OwnerTrainer:
         self.session_id = session_id or f"{settings.configuration}-{uuid.uuid4().hex[:12]}"
         self.bottom = build_bottom(data.features.shape[1], settings.bottom)
         self.bottom_opt = build_optimizer(self.bottom.parameters(), settings.bottom)
-        self.head = owner_head(settings)
+        self.head = owner_head(settings, data.task)
         self.head_opt = build_optimizer(self.head.parameters(), settings.top) if self.head is not None else None
         self.u_shaped = settings.configuration == "u-shaped"
         self._audit: dict[str, list[np.ndarray]] = {"epoch": [], "rows": [], "grads": []}
@@ -138,7 +142,7 @@ class OwnerTrainer:
             g1 = self.peer.backward(step, h2.grad)
             loss_value = float(loss.detach())
         else:
-            g1, loss_value = self.peer.train(step, h1.detach(), y)
+            g1, loss_value = self.peer.train(step, h1.detach(), self.data.task.loss_targets(y))
         self.bottom_opt.zero_grad(set_to_none=True)
         h1.backward(g1)
         self.bottom_opt.step()
@@ -186,11 +190,12 @@ class OwnerTrainer:
     def run(self) -> OwnerOutcome:
         s, t = self.settings, self.settings.training
         split = self.data.split
-        self.peer.start(compute_start(s, self.session_id))
+        task = self.data.task
+        self.peer.start(compute_start(s, self.session_id, task))
         self.peer.checkpoint(0)
         # Every epoch end: (epoch, step, the bank's own state); the compute party holds the same step on disk.
         saved: list[tuple[int, int, dict[str, Any]]] = [(-1, 0, self._own_state())]
-        book = EpochBook(t.patience)
+        book = EpochBook(t.patience, task.objective)
         best: tuple[int, dict[str, Any]] = (0, saved[0][2])
         n_batches = len(epoch_batches(split.train, t.batch, t.seed, 0))
         step, epoch, resumes = 0, 0, 0
@@ -208,8 +213,7 @@ class OwnerTrainer:
                             self.progress(f"epoch {epoch + 1}/{t.epochs}, step {step}",
                                           (epoch + (i + 1) / n_batches) / t.epochs)
                     trained = time.perf_counter() - began  # an epoch's time is its training steps
-                    val = self.data.task.metrics(self.data.targets[torch.from_numpy(split.val)],
-                                                 self.scores(split.val))["roc_auc"]
+                    val = task.metrics(self.data.targets[torch.from_numpy(split.val)], self.scores(split.val))
                     self.peer.checkpoint(step)
                 except UnknownSession:
                     if resumes >= MAX_RESUMES:
@@ -220,17 +224,17 @@ class OwnerTrainer:
                     logger.warning("the compute party lost session %s (it restarted?): resuming both sides from "
                                    "step %d, the start of epoch %d", self.session_id, step, epoch + 1)
                     self._load_own(own)
-                    self.peer.start(compute_start(s, self.session_id, resume_step=step))
+                    self.peer.start(compute_start(s, self.session_id, task, resume_step=step))
                     self._audit = {k: [a for a, e in zip(v, self._audit["epoch"]) if e[0] < epoch]
                                    for k, v in self._audit.items()}
                     continue
                 saved.append((epoch, step, self._own_state()))
                 row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)) if losses else float("nan"),
-                       "val_roc_auc": val, "epoch_seconds": round(trained, 4), "step": step,
+                       "epoch_seconds": round(trained, 4), "step": step,
                        "eval_seconds": round(time.perf_counter() - began - trained, 4)}
-                if book.record(val, row):
+                if book.record_validation(val, row):
                     best = (step, saved[-1][2])
-                logger.info("epoch %d: validation ROC-AUC %.4f", epoch + 1, val)
+                logger.info("epoch %d: validation %s %.4f", epoch + 1, book.metric, val[book.metric])
                 if book.stop or (t.max_steps is not None and step >= t.max_steps):
                     break
                 epoch += 1
@@ -250,12 +254,13 @@ class OwnerTrainer:
                     final = best[0] if t.restore_best else step
                     logger.warning("the compute party lost session %s (it restarted?) after training: resuming it "
                                    "at step %d", self.session_id, final)
-                    self.peer.start(compute_start(s, self.session_id, resume_step=final))
+                    self.peer.start(compute_start(s, self.session_id, task, resume_step=final))
         except BaseException:
             self.peer.end()
             raise
         test_targets = self.data.targets[torch.from_numpy(split.test)]
-        test = self.data.task.metrics(test_targets, test_scores)
-        predictions = pd.DataFrame({"position": split.test, "target": test_targets.numpy(), "score": test_scores})
+        test = task.metrics(test_targets, test_scores)
+        predictions = pd.DataFrame({"position": split.test, "target": test_targets.numpy(),
+                                    **task.score_columns(test_scores)})
         audit = {k: np.concatenate(v) for k, v in self._audit.items() if v}
         return OwnerOutcome(book, test, predictions, test_scores, step, resumes, self.bottom, self.head, audit)

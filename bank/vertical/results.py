@@ -73,12 +73,8 @@ def write_run(
     predictions = pd.DataFrame({"position": test, "target": targets[torch.from_numpy(test)].numpy()})
     if bank_ids is not None:
         predictions.insert(1, id_column, [bank_ids[r] for r in bank_rows[test]])
-    scores = outcome.test_scores
-    if scores.ndim == 1:
-        predictions["score"] = scores
-    else:
-        for i, c in enumerate(task.classes_):
-            predictions[f"score_{c}"] = scores[:, i]
+    for column, values in task.score_columns(outcome.test_scores).items():
+        predictions[column] = values
     _csv(run_dir / "test_predictions.csv", predictions)
     splits = {"train": outcome.split.train, "val": outcome.split.val, "test": outcome.split.test}
     split = pd.DataFrame(

@@ -4,8 +4,8 @@ A session is one of three kinds:
 
 - ``trunk`` (U-shaped): ``forward`` takes the bank's cut-layer activations and returns the trunk's output;
   ``backward`` takes the gradient of that output, updates the trunk and returns the gradient of its input.
-- ``server`` (vanilla): ``train`` takes activations and their labels, computes the loss, updates and returns
-  the gradient of the activations; the labels of every training batch are the server's to see.
+- ``server`` (vanilla): ``train`` takes activations and their targets, computes the task's loss, updates and
+  returns the gradient of the activations; the labels of every training batch are the server's to see.
 - ``bottom`` (horizontal): ``forward`` takes row positions in the branch's own table and returns their
   embedding; ``backward`` takes its gradient and updates. ``weights``/``load_weights`` move the client-side
   model between branches (relay) or replace it with the average (SplitFed).
@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parties.errors import BadMessage, ConfigError, DataError, OutOfOrder
-from parties.learning.model import build_optimizer, mlp
+from parties.learning.model import build_optimizer, check_targets, mlp, task_loss
 from parties.protocol.layers import LayerInfo, LayerStart
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import (
@@ -209,10 +208,9 @@ class LayerSession:
                 return cached["grad"], float(cached["loss"])
             self._expect_next(step)
             leaf = self._activations(x).detach().requires_grad_(True)
-            if labels.shape != (x.shape[0],) or labels.dtype != torch.float32 or not bool(
-                    ((labels == 0) | (labels == 1)).all()):
-                raise BadMessage("labels must be float32 0/1, one per row")
-            loss = F.binary_cross_entropy_with_logits(self.model(leaf).squeeze(1), labels)
+            if (wrong := check_targets(self.start.task, labels, x.shape[0], self.start.out_width)) is not None:
+                raise BadMessage(f"labels: {wrong}")
+            loss = task_loss(self.start.task, self.model(leaf), labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()

@@ -1,4 +1,5 @@
-"""Bottom models: a configurable MLP from a party's encoded columns to its cut-layer embedding."""
+"""The models every party builds: a seeded MLP (bottoms, tops, trunks, server layers), their optimizers, and the
+loss a task trains on, wherever the loss is computed (the bank's top, or a vanilla compute party's server)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from parties.learning.config import BottomConfig, OptimizerConfig
+from parties.learning.config import BottomConfig, OptimizerConfig, TaskKind
 
-__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "mlp", "prepare_optimizers"]
+__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "check_targets", "mlp",
+           "prepare_optimizers", "task_loss"]
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:
@@ -67,3 +70,33 @@ def prepare_optimizers() -> None:
     param = nn.Parameter(torch.zeros(1))
     for name in ("adam", "sgd"):
         build_optimizer([param], OptimizerConfig(optimizer=name))
+
+
+def task_loss(kind: TaskKind, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of a task on a model's outputs, the same wherever it is computed.
+
+    binary: one logit per row, targets 0/1 (float32), binary cross-entropy. multiclass: one logit per class,
+    targets class indices (int64), cross-entropy. regression: one output per row, targets already
+    standardised (``bank.task.Task.loss_targets``), mean squared error.
+    """
+    if kind == "binary":
+        return F.binary_cross_entropy_with_logits(outputs.squeeze(1), targets)
+    if kind == "multiclass":
+        return F.cross_entropy(outputs, targets)
+    return F.mse_loss(outputs.squeeze(1), targets)
+
+
+def check_targets(kind: TaskKind, targets: torch.Tensor, rows: int, classes: int) -> str | None:
+    """What is wrong with targets a peer sent for ``task_loss`` (``None``: nothing): one per row, of the task's
+    dtype and range. A class index outside ``[0, classes)`` would fail inside cross-entropy, a NaN train on."""
+    if targets.shape != (rows,):
+        return f"one target per row ({rows}), not shape {tuple(targets.shape)}"
+    if kind == "multiclass":
+        if targets.dtype != torch.int64 or (rows and not (0 <= int(targets.min()) and int(targets.max()) < classes)):
+            return f"multiclass targets are int64 class indices in [0, {classes})"
+        return None
+    if targets.dtype != torch.float32 or not bool(torch.isfinite(targets).all()):
+        return f"{kind} targets are finite float32"
+    if kind == "binary" and not bool(((targets == 0) | (targets == 1)).all()):
+        return "binary targets are 0 or 1"
+    return None

@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from parties.learning.config import OptimizerConfig
+from parties.learning.config import OptimizerConfig, TaskKind
 from parties.protocol.common import Message
 
 __all__ = [
@@ -58,8 +58,8 @@ class LayerStart(Message):
     """Start (or, with ``resume_step``, resume from a checkpoint) a session of layers held for the caller.
 
     ``trunk``: an MLP from ``in_width`` to ``out_width`` (ReLU after each layer, the last too).
-    ``server``: an MLP from ``in_width`` to one logit and a binary cross-entropy loss on the labels sent
-    with each batch (vanilla). ``bottom``: an MLP from the branch's encoded columns (``encoder``) to
+    ``server``: an MLP from ``in_width`` to the task's outputs (``out_width``: one, or one per class) and the
+    task's loss (``task``) on the targets sent with each batch (vanilla). ``bottom``: an MLP from the branch's encoded columns (``encoder``) to
     ``out_width``, ReLU after the last layer too, as every party's bottom model.
     """
 
@@ -72,6 +72,7 @@ class LayerStart(Message):
     optimizer: OptimizerConfig = OptimizerConfig()
     encoder: dict[str, object] | None = Field(None, description="bottom: the shared encoder (TabularEncoder.to_dict)")
     resume_step: int | None = Field(None, ge=0, description="load this step's checkpoint instead of starting afresh")
+    task: TaskKind = Field("binary", description="server: the loss it computes (parties.learning.model.task_loss)")
 
     @model_validator(mode="after")
     def _shape(self) -> LayerStart:
@@ -80,8 +81,10 @@ class LayerStart(Message):
                 raise ValueError("a bottom session needs the shared encoder")
         elif self.in_width < 1:
             raise ValueError(f"a {self.kind} session needs in_width >= 1")
-        if self.kind == "server" and self.out_width != 1:
-            raise ValueError("a server session ends in one logit (binary task): out_width must be 1")
+        if self.kind == "server" and (self.out_width < 2 if self.task == "multiclass" else self.out_width != 1):
+            raise ValueError(f"a server session of a {self.task} task ends in "
+                             + ("one logit per class: out_width must be at least 2" if self.task == "multiclass"
+                                else "one output: out_width must be 1"))
         if any(h < 1 for h in self.hidden):
             raise ValueError("hidden widths must be at least 1")
         o = self.optimizer  # JSON carries 1e400 (and pydantic's reader Infinity): a model of NaN from its first step

@@ -45,11 +45,11 @@ def run_config_bench(settings: dict[str, ConfigurationSettings], out: Path | Non
                              "equals_its_twin": ref["twin"]["equal"],
                              "fedavg_every": s.fedavg_every if name == "splitfed" else None})
         assert central is not None
-        rows_out.insert(0, {"model": "centralised", "roc_auc": central["roc_auc"], "best_epoch": central["best_epoch"],
+        rows_out.insert(0, {"model": "centralised", "roc_auc": central["test"]["roc_auc"], "best_epoch": central["best_epoch"],
                             "epochs_run": None, "epoch_seconds": central["mean_epoch_seconds"],
                             "equals_its_twin": None, "fedavg_every": None})
         frame = pd.DataFrame(rows_out)
-        frame["auc_gap"] = frame["roc_auc"] - central["roc_auc"]
+        frame["auc_gap"] = frame["roc_auc"] - central["test"]["roc_auc"]
         frame["within_bar"] = np.abs(frame["auc_gap"]) <= AUC_BAR
         frame["epoch_time_ratio"] = frame["epoch_seconds"] / central["mean_epoch_seconds"]
         if out is not None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bank.configurations.horizontal import BranchLabels, fedavg
+from bank.configurations.horizontal import BranchLabels, fedavg, horizontal_top
 from bank.configurations.u_shaped import OwnerData, owner_head
 from bank.vertical.schedule import epoch_batches
 from bank.configurations.split_run import ConfigurationSettings
@@ -56,12 +56,13 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
     if settings.configuration == "u-shaped":
         tr = settings.trunk
         rest = [mlp(settings.bottom.cut_width, tr.hidden, tr.width, activate_output=True, seed=tr.seed)]
-        head = owner_head(settings)
+        head = owner_head(settings, data.task)
         assert head is not None
         rest.append(head)
         configs = [settings.bottom, tr, settings.top]
     else:
-        rest = [mlp(settings.bottom.cut_width, settings.top.hidden, 1, activate_output=False, seed=settings.top.seed)]
+        rest = [mlp(settings.bottom.cut_width, settings.top.hidden, data.task.output_dim, activate_output=False,
+                    seed=settings.top.seed)]
         configs = [settings.bottom, settings.top]
     modules = [bottom, *rest]
     optimizers = [build_optimizer(m.parameters(), c) for m, c in zip(modules, configs)]
@@ -72,7 +73,7 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
         with torch.no_grad():
             return task.scores(model(data.features[torch.from_numpy(positions)]))
 
-    book, step, seconds = EpochBook(t.patience), 0, []
+    book, step, seconds = EpochBook(t.patience, task.objective), 0, []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         for rows in epoch_batches(split.train, t.batch, t.seed, epoch):
@@ -81,8 +82,8 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
             step += 1
             _update(optimizers, task.loss(model(data.features[rows]), data.targets[rows]))
         seconds.append(time.perf_counter() - began)
-        val = task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val))["roc_auc"]
-        book.record(val, {"val_roc_auc": val}, state=model.state_dict)
+        book.record_validation(task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val)),
+                               state=model.state_dict)
         if book.stop or (t.max_steps is not None and step >= t.max_steps):
             break
     if t.restore_best:
@@ -111,7 +112,7 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
     bottom_opts = {b: build_optimizer(bottoms[b].parameters(), settings.bottom) for b in (order[:1] if relay else order)}
     if relay:
         bottom_opts = {b: bottom_opts[order[0]] for b in order}
-    top = mlp(settings.bottom.cut_width, settings.top.hidden, 1, activate_output=False, seed=settings.top.seed)
+    top = horizontal_top(settings, task)
     top_opt = build_optimizer(top.parameters(), settings.top)
     rows_of = {b: len(labels[b].split.train) for b in order}
 
@@ -134,7 +135,7 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
         y = torch.cat([labels[b].targets[torch.from_numpy(getattr(labels[b].split, part))] for b in order])
         return np.concatenate(s), y
 
-    book, seconds = EpochBook(t.patience), []
+    book, seconds = EpochBook(t.patience, task.objective), []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         if relay:
@@ -150,9 +151,8 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
                 if (settings.fedavg_every and (j + 1) % settings.fedavg_every == 0) or j == longest - 1:
                     average()
         seconds.append(time.perf_counter() - began)
-        val = task.metrics(*reversed(scores("val")))["roc_auc"]
-        book.record(val, {"val_roc_auc": val},
-                    state=lambda: {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()})
+        book.record_validation(task.metrics(*reversed(scores("val"))),
+                               state=lambda: {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()})
         if book.stop:
             break
     if t.restore_best:
@@ -179,7 +179,7 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
 
     train, val, test = pooled("train"), pooled("val"), pooled("test")
     bottom = build_bottom(x.shape[1], settings.bottom)
-    top = mlp(settings.bottom.cut_width, settings.top.hidden, 1, activate_output=False, seed=settings.top.seed)
+    top = horizontal_top(settings, task)
     model = nn.Sequential(bottom, top)
     optimizers = [build_optimizer(bottom.parameters(), settings.bottom), build_optimizer(top.parameters(), settings.top)]
 
@@ -187,14 +187,13 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
         with torch.no_grad():
             return task.scores(model(x[torch.from_numpy(positions)]))
 
-    book, seconds = EpochBook(t.patience), []
+    book, seconds = EpochBook(t.patience, task.objective), []
     for epoch in range(t.epochs):
         began = time.perf_counter()
         for rows in epoch_batches(train, t.batch, t.seed, epoch):
             _update(optimizers, task.loss(model(x[rows]), y[rows]))
         seconds.append(time.perf_counter() - began)
-        auc = task.metrics(y[torch.from_numpy(val)], scores(val))["roc_auc"]
-        book.record(auc, {"val_roc_auc": auc}, state=model.state_dict)
+        book.record_validation(task.metrics(y[torch.from_numpy(val)], scores(val)), state=model.state_dict)
         if book.stop:
             break
     if t.restore_best:
@@ -220,7 +219,8 @@ def reference_for_run(out: Path, settings: ConfigurationSettings) -> dict[str, A
 
     torch.set_num_threads(1)
     summary = json.loads((out / "summary.json").read_text())
-    split_scores = pd.read_csv(out / "test_predictions.csv")["score"].to_numpy(np.float32)
+    predictions = pd.read_csv(out / "test_predictions.csv")
+    split_scores = predictions[[c for c in predictions.columns if c.startswith("score")]].to_numpy(np.float32)
     reference: dict[str, Any] = {}
     if settings.configuration in ("u-shaped", "vanilla"):
         table = load_party_table(out / "data" / "bank" / "bank.csv", None, LABEL, labelled=True)
@@ -233,11 +233,11 @@ def reference_for_run(out: Path, settings: ConfigurationSettings) -> dict[str, A
         features = encode_branches(tables, json.loads((out / "encoder.json").read_text()))
         twin = horizontal_twin(settings, task, labels, features)
         c = centralised(settings, task, labels, features)
-        reference["centralised"] = {"roc_auc": c.test["roc_auc"], "best_epoch": c.best_epoch,
+        reference["centralised"] = {"test": c.test, "best_epoch": c.best_epoch,
                                     "mean_epoch_seconds": float(np.mean(c.epoch_seconds))}
-    twin_scores = twin.test_scores.astype(np.float32)
+    twin_scores = twin.test_scores.astype(np.float32).reshape(split_scores.shape)
     reference["twin"] = {
-        "roc_auc": twin.test["roc_auc"], "best_epoch": twin.best_epoch,
+        "test": twin.test, "best_epoch": twin.best_epoch,
         "equal": bool(np.array_equal(split_scores, twin_scores)),
         "max_difference": float(np.abs(split_scores - twin_scores).max()) if len(twin_scores) else 0.0,
         "mean_epoch_seconds": float(np.mean(twin.epoch_seconds)),

@@ -59,6 +59,9 @@ def _label_rows(configuration: str, observer: str, g: dict[str, np.ndarray], tar
                 what: str) -> list[dict[str, Any]]:
     note = f"from the gradients it received ({what})"
     labels = targets[g["rows"]]
+    if not np.isin(labels, (0, 1)).all():  # the leak AUCs rank rows as positive or not: a binary task's measure
+        return [_row(configuration, observer, LABELS, m, math.nan, epoch="all (row means)",
+                     note="measured for binary tasks only") for m in ("norm_leak_auc", "direction_leak_auc")]
     if not 0 < labels.mean() < 1:  # one class only: no attack can rank, and the direction attack has no positive
         return [_row(configuration, observer, LABELS, m, math.nan, epoch="all (row means)",
                      note="its training rows hold one class only") for m in ("norm_leak_auc", "direction_leak_auc")]

@@ -59,7 +59,7 @@ def configuration_table(runs: list[Path], root: Path) -> pd.DataFrame:
 
 
 def configuration_curves(runs: list[Path], root: Path) -> Figure:
-    """Training loss and validation ROC-AUC per epoch, one line per run (its ``history.csv``)."""
+    """Training loss and the validation objective (ROC-AUC for a binary task) per epoch, one line per run (its ``history.csv``)."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for folder in runs:
         history = pd.read_csv(folder / "history.csv")
@@ -67,9 +67,10 @@ def configuration_curves(runs: list[Path], root: Path) -> Figure:
         name = _label(folder, root)
         label = configuration if name == configuration else f"{configuration} ({name})"
         ax1.plot(history["epoch"], history["train_loss"], marker="o", label=label)
-        ax2.plot(history["epoch"], history["val_roc_auc"], marker="o", label=label)
+        metric = next(c for c in history.columns if c.startswith("val_"))  # the task's first: val_roc_auc
+        ax2.plot(history["epoch"], history[metric], marker="o", label=label)
     ax1.set(title="training loss", xlabel="epoch", ylabel="loss")
-    ax2.set(title="validation ROC-AUC", xlabel="epoch")
+    ax2.set(title=f"validation {metric.removeprefix('val_')}", xlabel="epoch")
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.legend(fontsize=8)
