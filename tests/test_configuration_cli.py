@@ -144,16 +144,21 @@ def test_a_party_that_never_answered_is_reported_within_seconds_not_retried_for_
     """A wrong port is not a restart: the first call gives up after a few seconds and says what to check."""
     import httpx
 
-    from bank.configurations.layer_peer import FIRST_CONTACT_DEADLINE, LayerPeer
+    from bank.configurations.layer_peer import LayerPeer
+    from bank.peer import FIRST_CONTACT_DEADLINE
+    from bank.vertical.http_partner import HttpPartner
     from parties.errors import PeerUnavailable
 
     port = _free_port()  # nothing listens there
+    url = f"http://127.0.0.1:{port}"
     with httpx.Client() as client:
-        peer = LayerPeer("branch-1", f"http://127.0.0.1:{port}", client, "partner", retry_deadline=60)
-        started = time.monotonic()
-        with pytest.raises(PeerUnavailable, match="it never answered: is the URL right"):
-            peer.stats(list(range(200)))
-    assert time.monotonic() - started < FIRST_CONTACT_DEADLINE + 5
+        # One rule for every peer client: a branch's layers, and a partner's sessions alike.
+        for call in (lambda: LayerPeer("branch-1", url, client, "partner", retry_deadline=60).stats(list(range(200))),
+                     lambda: HttpPartner("partner", url, client, retry_deadline=60).sessions()):
+            started = time.monotonic()
+            with pytest.raises(PeerUnavailable, match="it never answered: is the URL right"):
+                call()
+            assert time.monotonic() - started < FIRST_CONTACT_DEADLINE + 5
 
 
 def test_the_by_hand_training_flags_reach_the_settings_and_a_task_the_labels_are_not_is_refused(

@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 
 from bank.configurations import layer_peer
 from bank.configurations.layer_peer import LayerPeer
-from parties.errors import OutOfOrder, PeerError, PeerUntrusted, QuotaExceeded, UnknownSession
+from parties.errors import OutOfOrder, OverBudget, PeerError, PeerUntrusted, QuotaExceeded, UnknownSession
 from parties.learning.config import OptimizerConfig
 from parties.protocol import layers
 from parties.protocol.common import fill
@@ -284,7 +284,7 @@ def test_max_sessions_is_a_clear_429_per_bank_and_idle_sessions_expire_but_resum
         idle.checkpoint(1)
         busy.start(trunk("busy"))
         third = peer(server, clients["bank"])
-        with pytest.raises(PeerError, match="HTTP 429.*bank holds 2 sessions here, the most one bank may"):
+        with pytest.raises(OverBudget, match="HTTP 429.*bank holds 2 sessions here, the most one bank may"):
             third.start(trunk("third"))
         other = peer(server, clients["bank2"])  # another bank's slots are its own
         assert other.start(trunk("other")).step == 0

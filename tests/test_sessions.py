@@ -15,7 +15,7 @@ from bank.config import TrainingConfig
 from bank.vertical.http_partner import HttpPartner
 from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
-from parties.errors import PeerError, UnknownSession
+from parties.errors import OutOfOrder, PeerError, UnknownSession
 from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles
 
@@ -68,7 +68,7 @@ def test_a_finished_session_never_comes_back(pki, partition, start_partner, star
         proxy.attach(session, 8)
         with pytest.raises(UnknownSession, match="has ended"):
             proxy.privacy()
-        with pytest.raises(PeerError, match="has ended"):
+        with pytest.raises(OutOfOrder, match="has ended"):
             proxy.start_training(session, partner.app.state.core.alignment_of("bank").alignment_id, torch.arange(10))
 
 

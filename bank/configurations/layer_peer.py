@@ -1,12 +1,9 @@
 """The bank's end of the layer exchange (``parties.protocol.layers``): a compute party or a branch over mutual TLS.
 
-Every call is idempotent (the service answers a repeated step from its cache), so a call that gets no
-answer is sent again under the one retry policy (``bank.vertical.http_partner.retry_policy``). Whatever the
-peer answers is checked: shapes, dtypes, finiteness, and who answered (the certificate's name and role).
-A peer is not trusted with the bank's memory or time either: an answer is read as it streams in and
-dropped past the size it could honestly have (an error past ``ERROR_BODY_LIMIT``) or past
-``answer_deadline`` seconds, and what it says it holds (``LayerInfo``, weights, statistics) is checked
-against what the bank asked for.
+Every call is idempotent (the service answers a repeated step from its cache), so a call that gets no answer
+is sent again under the one retry rule of ``bank.peer.PeerLink``, which also bounds what an answer may hold and
+maps refusals to errors. Whatever the peer answers is checked here: shapes, dtypes, finiteness, the session
+and step it echoes, and what it says it holds (``LayerInfo``, weights, statistics) against what the bank asked.
 """
 
 from __future__ import annotations
@@ -15,170 +12,67 @@ import json
 import logging
 import math
 import re
-import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import httpx
 import torch
 
-from bank.vertical.http_partner import ERROR_BODY_LIMIT, retry_policy
-from parties.errors import (
-    BadMessage,
-    OutOfOrder,
-    PeerError,
-    PeerUnavailable,
-    PeerUntrusted,
-    QuotaExceeded,
-    StorageError,
-    UnknownSession,
-)
+from bank.peer import HEADER_ROOM, JSON_LIMIT, PeerLink
+from parties.errors import PeerError, UnknownSession
 from parties.learning.layer_host import count_parameters
 from parties.protocol import layers
 from parties.protocol.common import fill
 from parties.protocol.wire import SAFETENSORS, WireMessage, all_finite, decode, encode, parse
-from parties.transport.client import expect_server
-from parties.transport.tls import handshake_failure
 
 __all__ = ["LayerPeer"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-#: Seconds a party that has never answered is retried before the bank says so (a wrong URL, a service not started).
-FIRST_CONTACT_DEADLINE = 5.0
 #: The most a weights answer may hold (a branch's bottom and its optimizer's moments).
 WEIGHTS_LIMIT = 256 << 20
-#: Room for a message's header beside its tensors (``parties.protocol.wire.parse`` refuses a longer one).
-HEADER_ROOM = 8 + (1 << 16)
-#: The most a JSON answer may hold: a session's description, or a branch's column statistics (value sets).
-JSON_LIMIT = 16 << 20
 _OPTIM = re.compile(r"^optim\.(\d+)\.[a-z_]+$")
 
 
-class LayerPeer:
+class LayerPeer(PeerLink):
     """A compute party (``role="compute"``) or a branch (``role="partner"``) holding layers for this bank."""
 
     def __init__(self, name: str, url: str, client: httpx.Client, role: str, *, retry_deadline: float = 60.0,
                  answer_deadline: float = 600.0) -> None:
-        self.name, self.url, self.client, self.role = name, url.rstrip("/"), client, role
-        self.retry_deadline, self.answer_deadline = retry_deadline, answer_deadline
+        super().__init__(name, url, client, role, retry_deadline=retry_deadline, answer_deadline=answer_deadline)
         self.session_id = ""
-        self.answered = False  # whether this party has ever answered (then a silence may be a restart)
         self.layer_start: layers.LayerStart | None = None
         self.info: layers.LayerInfo | None = None
-        self.bytes_sent = self.bytes_received = self.round_trips = self.retries = 0
-
-    # --- transport ------------------------------------------------------------------------------------------
-    def _once(self, method: str, path: str, what: str, limit: int = ERROR_BODY_LIMIT, **kwargs: object) -> bytes:
-        """One call; its answer's body, read up to ``limit`` bytes (a refusal's up to ``ERROR_BODY_LIMIT``)."""
-        try:
-            request = self.client.build_request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
-            response = self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            untrusted = handshake_failure(exc)
-            if untrusted:
-                raise PeerUntrusted(f"{self.role} {self.name!r} at {self.url} answered ({what}), but {untrusted}") from exc
-            raise PeerUnavailable(f"{self.role} {self.name!r} at {self.url} did not answer ({what}): {exc}") from exc
-        try:
-            expect_server(response, self.name, self.role)
-            self.round_trips += 1
-            self.bytes_sent += len(request.content or b"")
-            content = self._read(response, limit if response.is_success else ERROR_BODY_LIMIT, what)
-        finally:
-            response.close()
-        if not response.is_success:
-            self._refused(response.status_code, content, what)
-        return content
-
-    def _read(self, response: httpx.Response, limit: int, what: str) -> bytes:
-        """The body as it streams in: refused once past ``limit`` bytes, or past ``answer_deadline`` seconds."""
-        refusal = "" if response.is_success else f" refused {what} (HTTP {response.status_code}) and"
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise PeerError(f"{self.role} {self.name!r}{refusal} announced {declared} bytes ({what}); "
-                            f"no more than {limit} bytes were expected")
-        deadline = time.monotonic() + self.answer_deadline
-        parts, size = [], 0
-        try:
-            for part in response.iter_bytes():
-                size += len(part)
-                self.bytes_received += len(part)
-                if size > limit:
-                    raise PeerError(f"{self.role} {self.name!r}{refusal} sent more than {limit} bytes ({what})")
-                if time.monotonic() > deadline:
-                    raise PeerError(f"{self.role} {self.name!r} did not finish its answer ({what}) in "
-                                    f"{self.answer_deadline:.0f}s")
-                parts.append(part)
-        except httpx.HTTPError as exc:
-            raise PeerUnavailable(
-                f"{self.role} {self.name!r} at {self.url} broke off its answer ({what}): {exc}") from exc
-        return b"".join(parts)
-
-    def _refused(self, status: int, content: bytes, what: str) -> None:
-        try:
-            body = json.loads(content)
-            kind, detail = str(body.get("error")), str(body.get("detail"))[:2000]
-        except (ValueError, AttributeError):
-            kind, detail = "", content[:200].decode(errors="replace")
-        error = {"UnknownSession": UnknownSession, "OutOfOrder": OutOfOrder, "StorageError": StorageError,
-                 "QuotaExceeded": QuotaExceeded}.get(kind, PeerError)
-        raise error(f"{self.role} {self.name!r} refused {what} (HTTP {status}): {detail}")
-
-    def _call(self, method: str, path: str, what: str, **kwargs: object) -> bytes:
-        def note(state: object) -> None:
-            self.retries += 1
-            logger.warning("%s %s did not answer (%s); sending it again", self.role, self.name, what)
-
-        # A party that has answered before may be restarting: retry it for the whole deadline. One that never
-        # answered is more likely a wrong address or port: say so within seconds.
-        deadline = self.retry_deadline if self.answered else min(self.retry_deadline, FIRST_CONTACT_DEADLINE)
-        try:
-            content = retry_policy(deadline, note)(lambda: self._once(method, path, what, **kwargs))
-        except PeerUnavailable as exc:
-            hint = "" if self.answered else " (it never answered: is the URL right, and the service started?)"
-            raise PeerUnavailable(f"{self.role} {self.name!r} at {self.url} did not answer ({what}) for "
-                                  f"{deadline:.0f}s{hint}: {exc.__cause__ or exc}") from exc
-        self.answered = True
-        return content
 
     def _tensors(self, template: str, what: str, tensors: dict[str, torch.Tensor], step: int,
                  answer: dict[str, object], elements: int) -> WireMessage:
         """Send ``tensors``; the answer holds at most ``elements`` float32 values and echoes the session and step."""
         body = encode(tensors, session=self.session_id, step=step)
         path = fill(template, session_id=self.session_id)
-        content = self._call("POST", path, what, content=body, headers={"content-type": SAFETENSORS},
-                             limit=HEADER_ROOM + 4 * elements)
-        message = self._decoded(lambda: decode(content, answer), what)  # type: ignore[arg-type]
+        content = self.call("POST", path, what, HEADER_ROOM + 4 * elements, content=body,
+                            headers={"content-type": SAFETENSORS})
+        message = self.decoded(lambda: decode(content, answer), what)  # type: ignore[arg-type]
         said = (message.meta.get("step"), message.meta.get("session"))
         if said != (str(step), self.session_id):  # a stale or confused cache answers another call
-            raise PeerError(f"{self.role} {self.name!r} answered step {said[0]} of session {said[1]!r} to step {step} "
+            raise PeerError(f"{self.who} answered step {said[0]} of session {said[1]!r} to step {step} "
                             f"of session {self.session_id!r} ({what})")
         return message
 
-    def _decoded(self, parse_answer: Callable[[], T], what: str) -> T:
-        try:
-            return parse_answer()
-        except (BadMessage, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            raise PeerError(f"{self.role} {self.name!r} sent an unusable answer ({what}): {exc}") from exc
-
     def _shaped(self, t: torch.Tensor | None, shape: tuple[int, ...], what: str) -> torch.Tensor:
         if t is None or tuple(t.shape) != shape:
-            raise PeerError(f"{self.role} {self.name!r} sent {what} of shape "
+            raise PeerError(f"{self.who} sent {what} of shape "
                             f"{None if t is None else tuple(t.shape)}; expected {shape}")
         return t
 
     # --- the exchange ---------------------------------------------------------------------------------------
     def start(self, start: layers.LayerStart) -> layers.LayerInfo:
         self.session_id = start.session
-        content = self._call("POST", layers.SESSIONS, "start", json=start.model_dump(mode="json"), limit=JSON_LIMIT)
-        info = self._decoded(lambda: layers.LayerInfo.model_validate_json(content), "start")
+        content = self.call("POST", layers.SESSIONS, "start", JSON_LIMIT, json=start.model_dump(mode="json"))
+        info = self.decoded(lambda: layers.LayerInfo.model_validate_json(content), "start")
         # Everything the bank will check answers against comes from what it asked, not from what the peer says.
         in_width = _encoder_width(start.encoder) if start.kind == "bottom" else start.in_width
         expected = (start.session, start.kind, in_width, start.out_width,
                     count_parameters(in_width, start.hidden, start.out_width), start.resume_step or 0)
         said = (info.session, info.kind, info.in_width, info.out_width, info.parameters, info.step)
         if said != expected:
-            raise PeerError(f"{self.role} {self.name!r} started {info.kind} session {info.session!r} with "
+            raise PeerError(f"{self.who} started {info.kind} session {info.session!r} with "
                             f"in_width {info.in_width}, out_width {info.out_width}, {info.parameters} parameters, "
                             f"at step {info.step}; the bank asked for {start.kind} session {start.session!r} with "
                             f"in_width {expected[2]}, out_width {start.out_width}, {expected[4]} parameters, at step "
@@ -222,7 +116,7 @@ class LayerPeer:
             loss = math.nan
         if not math.isfinite(loss):  # "nan" and "inf" are floats to Python: a loss curve of NaN, silently
             raise PeerError(
-                f"{self.role} {self.name!r} sent no finite loss for step {step}: {m.meta.get('loss')!r:.40}")
+                f"{self.who} sent no finite loss for step {step}: {m.meta.get('loss')!r:.40}")
         return grad, loss
 
     def predict(self, x: torch.Tensor, batch: int = 8192) -> torch.Tensor:
@@ -235,18 +129,18 @@ class LayerPeer:
         return torch.cat(parts) if parts else torch.zeros(0, self.out_width)
 
     def checkpoint(self, step: int) -> None:
-        self._call("POST", fill(layers.CHECKPOINT, session_id=self.session_id, step=step), f"checkpoint {step}")
+        self.call("POST", fill(layers.CHECKPOINT, session_id=self.session_id, step=step), f"checkpoint {step}")
 
     def restore(self, step: int) -> None:
-        self._call("POST", fill(layers.RESTORE, session_id=self.session_id, step=step), f"restore {step}")
+        self.call("POST", fill(layers.RESTORE, session_id=self.session_id, step=step), f"restore {step}")
 
     def weights(self, optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """The peer's model (and optimizer state): the names and shapes of the model the bank asked for."""
         path = fill(layers.WEIGHTS, session_id=self.session_id)
-        content = self._call("GET", path, "weights", params={"optimizer": str(optimizer).lower()}, limit=WEIGHTS_LIMIT)
-        header, tensors = self._decoded(lambda: parse(content), "weights")
+        content = self.call("GET", path, "weights", WEIGHTS_LIMIT, params={"optimizer": str(optimizer).lower()})
+        header, tensors = self.decoded(lambda: parse(content), "weights")
         if not all(t.dtype == torch.float32 and all_finite(t) for t in tensors.values()):
-            raise PeerError(f"{self.role} {self.name!r} sent weights that are not finite float32")
+            raise PeerError(f"{self.who} sent weights that are not finite float32")
         self._check_weights(tensors, optimizer)
         meta = header.get("__metadata__") or {}
         try:
@@ -254,7 +148,7 @@ class LayerPeer:
         except (AttributeError, TypeError, json.JSONDecodeError):
             state = None
         if not isinstance(state, dict):
-            raise PeerError(f"{self.role} {self.name!r} sent weights without their state")
+            raise PeerError(f"{self.who} sent weights without their state")
         return tensors, state
 
     def _check_weights(self, tensors: dict[str, torch.Tensor], optimizer: bool) -> None:
@@ -271,21 +165,21 @@ class LayerPeer:
         params = list(shapes.values())
         model = sorted(k for k in tensors if not _OPTIM.match(k))
         if model != sorted(shapes):
-            raise PeerError(f"{self.role} {self.name!r} sent weights named {model[:10]}; expected {sorted(shapes)}")
+            raise PeerError(f"{self.who} sent weights named {model[:10]}; expected {sorted(shapes)}")
         for name in model:
             if tuple(tensors[name].shape) != shapes[name]:
-                raise PeerError(f"{self.role} {self.name!r} sent {name!r} of shape {tuple(tensors[name].shape)}; "
+                raise PeerError(f"{self.who} sent {name!r} of shape {tuple(tensors[name].shape)}; "
                                 f"expected {shapes[name]}")
         for name in tensors.keys() - set(model):
             index = int(_OPTIM.match(name).group(1))  # type: ignore[union-attr]
             if not optimizer or index >= len(params) or tuple(tensors[name].shape) not in (params[index], ()):
-                raise PeerError(f"{self.role} {self.name!r} sent optimizer state {name!r} of shape "
+                raise PeerError(f"{self.who} sent optimizer state {name!r} of shape "
                                 f"{tuple(tensors[name].shape)}, which no parameter of the model has")
 
     def load_weights(self, tensors: dict[str, torch.Tensor], state: dict[str, object]) -> None:
         body = encode(tensors, session=self.session_id, step=0, state=json.dumps(state))
-        self._call("PUT", fill(layers.WEIGHTS, session_id=self.session_id), "new weights", content=body,
-                   headers={"content-type": SAFETENSORS})
+        self.call("PUT", fill(layers.WEIGHTS, session_id=self.session_id), "new weights", content=body,
+                  headers={"content-type": SAFETENSORS})
 
     def stats(self, positions: list[int]) -> layers.StatsReply:
         """A branch's column sums and value sets on ``positions``, each of them possible for that many rows.
@@ -293,28 +187,28 @@ class LayerPeer:
         The bank builds every branch's encoder from these: a NaN, an infinity or a sum no set of rows has
         would put NaN (or a scale of nothing) into every branch's features.
         """
-        content = self._call("POST", layers.STATS, "column statistics",
-                             json=layers.StatsRequest(positions=positions).model_dump(mode="json"), limit=JSON_LIMIT)
-        reply = self._decoded(lambda: layers.StatsReply.model_validate_json(content), "column statistics")
+        content = self.call("POST", layers.STATS, "column statistics", JSON_LIMIT,
+                            json=layers.StatsRequest(positions=positions).model_dump(mode="json"))
+        reply = self.decoded(lambda: layers.StatsReply.model_validate_json(content), "column statistics")
         rows = len(positions)
         if reply.rows != rows:
-            raise PeerError(f"{self.role} {self.name!r} sent statistics of {reply.rows} rows; {rows} were asked")
+            raise PeerError(f"{self.who} sent statistics of {reply.rows} rows; {rows} were asked")
         for col, (count, total, squares) in reply.numeric.items():
             # Cauchy-Schwarz: (sum x)^2 <= n * sum x^2 for any n values; a little room for rounding.
             if not (0 <= count <= rows and math.isfinite(total) and math.isfinite(squares) and squares >= 0
                     and total * total <= count * squares * (1 + 1e-9) + 1e-9):
-                raise PeerError(f"{self.role} {self.name!r} sent statistics of column {col!r} that no {count} of "
+                raise PeerError(f"{self.who} sent statistics of column {col!r} that no {count} of "
                                 f"{rows} rows have: count {count}, sum {total}, sum of squares {squares}")
         for col, values in reply.categorical.items():
             if len(values) > rows or len(set(values)) != len(values):
-                raise PeerError(f"{self.role} {self.name!r} sent {len(values)} values of column {col!r} for {rows} "
+                raise PeerError(f"{self.who} sent {len(values)} values of column {col!r} for {rows} "
                                 "rows (or the same value twice)")
         return reply
 
     def end(self) -> None:
         if self.session_id:
             try:
-                self._once("DELETE", fill(layers.SESSION, session_id=self.session_id), "end")
+                self.once("DELETE", fill(layers.SESSION, session_id=self.session_id), "end")
             except (PeerError, UnknownSession) as exc:
                 logger.warning("ending %s %s's session: %s", self.role, self.name, exc)
 

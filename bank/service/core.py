@@ -325,7 +325,7 @@ class BankCore:
             name: HttpPartner(name, url, client, steps=StepConnection(
                 url, self.settings.tls_files(), expect=PeerIdentity(name, "partner"), caller=me,
                 timeout=self.settings.peer_timeout,
-            ), retry_deadline=self.settings.peer_retry_deadline)
+            ), retry_deadline=self.settings.peer_retry_deadline, known=True)  # they answered the alignment
             for name, url in urls.items()
         }
 
