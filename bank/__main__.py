@@ -13,6 +13,7 @@ from pathlib import Path
 from bank import commands
 from bank.config import TopConfig, TrainingConfig
 from bank.configurations.commands import add_configuration_commands
+from bank.configurations.split_run import ConfigurationSettings
 from data.uci import CACHE_HELP
 from parties.cli import (
     add_log_level,
@@ -135,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every column and rents a compute party; relay/splitfed: the bank's customers at 3 branches "
                         "(docs/how-to/configurations.md) (default vertical)")
     w.add_argument("--branches", type=int, default=None, help="relay, splitfed: how many branches (default 3)")
-    w.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                   help="splitfed: average the branches' bottoms every N steps, and at epoch ends (default 10; 0: "
-                        "at epoch ends only)")
+    add_flags(w, ConfigurationSettings, only=("fedavg_every",))
     w.add_argument("--no-reference", action="store_true",
                    help="u-shaped, vanilla, relay, splitfed: skip training the single-process twin (and, "
                         "horizontal, the centralised model) to compare with")

@@ -245,7 +245,9 @@ def walkthrough(args: argparse.Namespace) -> int:
         from bank.configurations.commands import configuration_walkthrough
 
         return configuration_walkthrough(args)
-    for flag, value in (("--branches", args.branches), ("--fedavg-every", args.fedavg_every)):
+    from bank.configurations.commands import fedavg_every
+
+    for flag, value in (("--branches", args.branches), ("--fedavg-every", fedavg_every(args))):
         if value is not None:
             raise ConfigError(f"{flag} is for the relay and splitfed configurations (--configuration)")
 

@@ -23,20 +23,12 @@ __all__ = [
     "apply_process_settings",
     "command",
     "configure_logging",
-    "default_of",
     "description",
     "number",
     "run_cli",
     "service_settings",
     "show",
 ]
-
-
-def default_of(model: type[BaseModel], field: str) -> str:
-    """The default of ``model.field``, for help texts: help shows what the code uses, from the same object."""
-    info = model.model_fields[field]
-    value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
-    return show(value)
 
 
 def command(sub: argparse._SubParsersAction, name: str, summary: str, *,

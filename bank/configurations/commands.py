@@ -59,6 +59,19 @@ def _training_flags(args: argparse.Namespace) -> dict[str, Any]:
     return flag_values(args, TrainingConfig)
 
 
+def _configuration_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration's own settings given as flags: ``--fedavg-every``, ``--audit``."""
+    from bank.configurations.split_run import ConfigurationSettings
+    from parties.flags import flag_values
+
+    return flag_values(args, ConfigurationSettings)
+
+
+def fedavg_every(args: argparse.Namespace) -> int | None:
+    """``--fedavg-every`` if given (``None``: not given)."""
+    return _configuration_flags(args).get("fedavg_every")
+
+
 def _tls_or_insecure(args: argparse.Namespace) -> TLSFiles | None:
     from parties.transport.tls import TLSFiles
 
@@ -84,7 +97,7 @@ def train_owner(args: argparse.Namespace) -> int:
     from bank.configurations.runs import owner_run
 
     settings = configuration_settings(args.configuration, args.config, **_training_flags(args),
-                                       audit=args.audit)
+                                       **_configuration_flags(args))
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     metrics = owner_run(settings, args.data, label=args.label, compute=_one_url(args.compute, "--compute"),
                         tls=_tls_or_insecure(args), bank_name=args.name, out=out)
@@ -100,7 +113,7 @@ def train_branches(args: argparse.Namespace) -> int:
         raise ConfigError("give every branch: --branch NAME=URL, once per branch")
     branches = dict(_one_url(b, "--branch") for b in args.branch)
     settings = configuration_settings(args.configuration, args.config, **_training_flags(args),
-                                       audit=args.audit, fedavg_every=args.fedavg_every)
+                                       **_configuration_flags(args))
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     metrics = horizontal_run(settings, args.labels, branches=branches, tls=_tls_or_insecure(args),
                              bank_name=args.name, out=out)
@@ -132,12 +145,13 @@ def configuration_walkthrough(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)}: vertical only, not in the {args.configuration} configuration "
                           "(docs/how-to/configurations.md)")
-    if args.configuration not in ("relay", "splitfed") and (args.branches is not None or args.fedavg_every is not None):
+    every = fedavg_every(args)
+    if args.configuration not in ("relay", "splitfed") and (args.branches is not None or every is not None):
         raise ConfigError(f"--branches and --fedavg-every are for relay and splitfed, not {args.configuration}")
-    if args.configuration == "relay" and args.fedavg_every is not None:
+    if args.configuration == "relay" and every is not None:
         raise ConfigError("--fedavg-every is for splitfed: the relay hands one model on, it averages nothing")
     settings = configuration_settings(args.configuration, None, epochs=training.get("epochs"), seed=args.seed,
-                                       audit=training.get("audit"), fedavg_every=args.fedavg_every)
+                                       audit=training.get("audit"), fedavg_every=every)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     summary = run_walkthrough(settings, out, rows=args.rows, seed=args.seed, cache_dir=args.cache_dir,
                                         download=not args.no_download,
@@ -192,6 +206,7 @@ def print_configuration_summary(out: Path, summary: dict[str, Any]) -> None:
 
 def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
     """``train-owner`` and ``train-branches``: the bank's side of the by-hand flows (docs/how-to/configurations.md)."""
+    from bank.configurations.split_run import ConfigurationSettings
     from parties.cli import command
     from parties.flags import add_flags
 
@@ -217,9 +232,7 @@ def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
             o.add_argument("--labels", type=Path, required=True,
                            help="the bank's labels: customer_id, branch, y, each branch's rows in its file's order")
             o.add_argument("--branch", action="append", default=[], metavar="NAME=URL", help="repeat per branch")
-            o.add_argument("--fedavg-every", type=int, default=None, metavar="N",
-                           help="splitfed: average the bottoms every N steps, and at epoch ends "
-                                "(default 10; 0: at epoch ends only)")
+            add_flags(o, ConfigurationSettings, only=("fedavg_every",))
         o.add_argument("--name", default="bank", help="this bank's name, its certificate's CN (default %(default)s)")
         o.add_argument("--tls-dir", type=Path, default=None, help="folder with ca.pem, NAME.pem, NAME.key")
         o.add_argument("--insecure", action="store_true", help="plain HTTP to services on this machine (development)")
@@ -228,6 +241,5 @@ def add_configuration_commands(sub: argparse._SubParsersAction) -> None:
                        help="a JSON file of settings (bank/configurations/split_run.py: ConfigurationSettings, without "
                             "'configuration'); flags given here override it")
         add_flags(o, TrainingConfig, only=("task", "positive_label", "epochs", "patience", "seed"))
-        o.add_argument("--audit", action="store_true", default=None,
-                       help="record what crossed each cut and report what each party could infer from it")
+        add_flags(o, ConfigurationSettings, only=("audit",))
         o.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")

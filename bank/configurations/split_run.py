@@ -10,16 +10,18 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bank.config import MAX_AUTO_BATCH, TopConfig, TrainingConfig
 from bank.epochs import EpochBook
+from parties.flags import Flag
 from parties.learning.config import BottomConfig, OptimizerConfig
 from parties.storage.files import atomic_write_text, private_dir
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["ConfigurationSettings", "Configuration", "TrunkConfig", "write_configuration_run"]
 
@@ -52,9 +54,10 @@ class ConfigurationSettings(BaseModel):
     top: TopConfig = TopConfig()
     # 10 by measurement on bank-full (3 branches by job): every step 0.9204, every 10 steps 0.9215, once per epoch
     # 0.9178, against 0.9203 centralised; every 10 steps costs a tenth of the averaging round trips of every step.
-    fedavg_every: int = Field(10, ge=0, description="splitfed: average the branches' bottoms every N steps, and at "
+    fedavg_every: Annotated[int, Flag(metavar="N")] = Field(10, ge=0, description="splitfed: average the branches' bottoms every N steps, and at "
                               "every epoch end (0: at epoch ends only)")
-    audit: bool = Field(False, description="record what crossed each cut, for the leakage audit")
+    audit: bool = Field(False, description="record what crossed each cut and report what each party could infer "
+                        "from it (the leakage audit)")
 
     @model_validator(mode="before")
     @classmethod
@@ -89,6 +92,9 @@ def write_configuration_run(
     predictions: pd.DataFrame, communication: dict[str, dict[str, float]], extra: dict[str, Any],
 ) -> dict[str, Any]:
     """The run folder: ``config.json``, ``metrics.json``, ``history.csv``, ``test_predictions.csv``; the metrics."""
+    import numpy as np  # here, not at the top: the settings are read by every command's parser
+    import pandas as pd
+
     private_dir(out)
     atomic_write_text(out / "config.json", json.dumps(settings.model_dump(mode="json"), indent=2) + "\n")
     atomic_write_text(out / "history.csv", pd.DataFrame(book.history).to_csv(index=False))

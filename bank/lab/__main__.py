@@ -13,7 +13,8 @@ from pathlib import Path
 from bank.config import TrainingConfig
 from bank.lab import commands as lab_commands
 from data.uci import CACHE_HELP
-from parties.cli import add_log_level, command, configure_logging, default_of, description, number, run_cli
+from parties.cli import add_log_level, command, configure_logging, description, number, run_cli
+from parties.flags import add_flags
 
 
 def _non_negative_ms(text: str) -> float:
@@ -126,10 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--epochs", type=int, default=4, help="epochs per round (default %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="alternating split/unsplit rounds (default %(default)s)")
     b.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers")
-    b.add_argument("--batch-size", type=int, default=None, help="training batch size (default: training's default)")
-    b.add_argument("--wire-precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
-                   help=f"how step embeddings and gradients travel (default {default_of(TrainingConfig, 'wire_precision')}: "
-                        "exact; fp16/bf16 halve the bytes, int8 quarters them)")
+    add_flags(b, TrainingConfig, only=("batch_size", "wire_precision"))
     b.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     b.add_argument("--json", type=Path, default=None, help="also write the figures here")
     wan = b.add_argument_group("across an emulated WAN (root only: the parties run in network namespaces of their own)")

@@ -120,6 +120,14 @@ def _at_least_one(*flags: tuple[str, int | None]) -> None:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
+def _training(args: argparse.Namespace) -> dict[str, object]:
+    """The training settings given as flags (``--batch-size``, ``--wire-precision``)."""
+    from bank.config import TrainingConfig
+    from parties.flags import flag_values
+
+    return flag_values(args, TrainingConfig)
+
+
 def bench(args: argparse.Namespace) -> int:
     from bank.lab.bench.training import bench_json, format_bench, run_training_bench
 
@@ -128,9 +136,10 @@ def bench(args: argparse.Namespace) -> int:
     if args.congestion is not None or args.target_auc is not None or args.modes is not None:
         raise ConfigError("--congestion, --target-auc and --modes belong to the WAN bench: give --rtt-ms "
                           "(and --rate-mbit)")
+    training = _training(args)
     figures = run_training_bench(args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                 batch_size=args.batch_size, wire_precision=args.wire_precision)
+                                 batch_size=training.get("batch_size"), wire_precision=training.get("wire_precision"))
     print(format_bench(figures))
     if args.json:
         args.json.write_text(bench_json(figures) + "\n")
@@ -140,7 +149,8 @@ def bench(args: argparse.Namespace) -> int:
 def _wan_bench(args: argparse.Namespace) -> int:
     from bank.lab.bench.wan import DEFAULT_TARGET_AUC, WAN_MODES, format_wan_bench, run_wan_bench, wan_bench_json
 
-    if args.wire_precision is not None:
+    training = _training(args)
+    if training.get("wire_precision") is not None:
         raise ConfigError("the WAN bench compares its modes (exact, int8, efficient) side by side: leave out "
                           "--wire-precision and choose them with --modes")
     names = list(WAN_MODES) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -149,8 +159,8 @@ def _wan_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(WAN_MODES)}")
     figures = run_wan_bench(args.rtt_ms or 0.0, args.rate_mbit, args.congestion,
                             args.target_auc if args.target_auc is not None else DEFAULT_TARGET_AUC,
-                            args.epochs, args.rows, args.cache_dir, rounds=args.rounds, batch_size=args.batch_size,
-                            modes={m: WAN_MODES[m] for m in names},
+                            args.epochs, args.rows, args.cache_dir, rounds=args.rounds,
+                            batch_size=training.get("batch_size"), modes={m: WAN_MODES[m] for m in names},
                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_wan_bench(figures))
     if args.json:
