@@ -614,10 +614,10 @@ class ComputeProcess:
 
 @pytest.fixture(scope="module")
 def uninterrupted(pki: Path, owner_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[OwnerOutcome, Weights]:
-    """The default U-shaped run, never interrupted (against a compute service in this process)."""
+    """The default U-shaped run (audited), never interrupted (against a compute service in this process)."""
     table = load_party_table(owner_file, None, LABEL, labelled=True)
     _, outcome, trunk = owner_split_run(pki, tmp_path_factory.mktemp("clean"), ConfigurationSettings(
-        configuration="u-shaped"), table)
+        configuration="u-shaped", audit=True), table)
     return outcome, trunk
 
 
@@ -629,8 +629,8 @@ def test_a_compute_party_killed_mid_run_is_resumed_to_the_bit_identical_model(
     epoch 2 applied and lost), the bank resumes both sides from epoch 1's end. ``epoch-1-and-after-training``:
     killed twice, at step 2 (resumed from the start) and as the bank restores the best epoch after training
     (resumed at that epoch's checkpoint). Every run ends with the model and test scores of an uninterrupted run
-    and of the twin, bit for bit."""
-    settings = ConfigurationSettings(configuration="u-shaped")
+    and of the twin, bit for bit, and its leakage audit records each step once, as the uninterrupted run's does."""
+    settings = ConfigurationSettings(configuration="u-shaped", audit=True)
     table = load_party_table(owner_file, None, LABEL, labelled=True)
     t = settings.training
     per_epoch = len(epoch_batches(owner_data(table, t).split.train, t.batch_size, t.seed, 0))
@@ -677,6 +677,10 @@ def test_a_compute_party_killed_mid_run_is_resumed_to_the_bit_identical_model(
     assert_same_weights(outcome.head.state_dict(), clean.head.state_dict(), "the bank's head")
     assert_same_weights(trunk, clean_trunk, "the trunk")
     assert np.array_equal(outcome.test_scores, clean.test_scores) and outcome.test == clean.test
+    assert outcome.audit is not None and clean.audit is not None
+    recorded, expected = outcome.audit.tensors()["gradients-compute"], clean.audit.tensors()["gradients-compute"]
+    assert sorted(set(expected["step"].tolist())) == list(range(1, clean.steps + 1))
+    assert recorded.keys() == expected.keys() and all(torch.equal(recorded[k], expected[k]) for k in expected)
     check_owner_against_twin(settings, table, outcome, trunk)
 
 

@@ -88,7 +88,7 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(
     me, them = PeerIdentity("bank", "bank"), PeerIdentity("partner", "partner")
     url = f"https://127.0.0.1:{partner.port}"
     config = TrainingConfig(epochs=3 * local_steps, batch_size=64, checkpoint_every=5, restore_best=False,
-                            wire_precision=precision, local_steps=local_steps, reuse_steps=reuse_steps)
+                            wire_precision=precision, local_steps=local_steps, reuse_steps=reuse_steps, audit=True)
     try:
         with make_client(tls, caller=me) as client, WorkerPool(1) as pool:
             def proxy(cls: type[HttpPartner] = HttpPartner) -> HttpPartner:
@@ -120,6 +120,9 @@ def test_a_partner_killed_mid_training_resumes_to_the_bit_identical_model(
         assert state_equal(saved(a / "bottom.safetensors"), saved(b / "bottom.safetensors"))
     assert outcome.test_metrics == clean.test_metrics
     assert [h["train_loss"] for h in outcome.history] == [h["train_loss"] for h in clean.history]
+    # The audit holds each step once: the rolled-back steps were dropped and recorded again as replayed.
+    recorded, expected = outcome.audit.tensors()["gradients-partner"], clean.audit.tensors()["gradients-partner"]
+    assert recorded.keys() == expected.keys() and all(torch.equal(recorded[k], expected[k]) for k in expected)
 
 
 def test_a_partner_down_past_the_deadline_stops_training_with_a_clear_message(pki, bank_full: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from bank.configurations.layer_peer import LayerPeer
 from bank.epochs import EpochBook
 from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.configurations.split_run import ConfigurationSettings, ProgressFn
+from bank.audit_record import AuditRecord
 from bank.task import Task
 from parties.errors import DataError, PeerError, PeerUnavailable, PeerUntrusted
 from parties.learning.config import OptimizerConfig
@@ -146,7 +147,7 @@ class HorizontalOutcome:
     steps: dict[str, int]
     top: nn.Module
     encoder: dict[str, Any]
-    audit: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    audit: AuditRecord | None = None
 
 
 class HorizontalTrainer:
@@ -168,8 +169,7 @@ class HorizontalTrainer:
         self.steps = dict.fromkeys(self.order, 0)
         self.train_rows = {b: len(labels[b].split.train) for b in self.order}
         self._pool = ThreadPoolExecutor(max_workers=len(self.order), thread_name_prefix="branch")
-        self._audit: dict[str, dict[str, list[np.ndarray]]] = {b: {"epoch": [], "rows": [], "grads": []}
-                                                               for b in self.order}
+        self.audit = AuditRecord() if settings.audit else None
         self.encoder: dict[str, Any] = {}
 
     # --- set-up ---------------------------------------------------------------------------------------------
@@ -212,11 +212,8 @@ class HorizontalTrainer:
         return float(loss.detach()), [z.grad for z in leaves]  # type: ignore[misc]
 
     def _record(self, branch: str, epoch: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        if self.settings.audit:  # what the branch receives: the gradient of its embedding
-            a = self._audit[branch]
-            a["epoch"].append(np.full(len(rows), epoch, dtype=np.int64))
-            a["rows"].append(rows.numpy().copy())
-            a["grads"].append(grad.detach().numpy().copy())
+        if self.audit is not None:  # what the branch receives: the gradient of its embedding
+            self.audit.record(branch, epoch, self.steps[branch], rows, grad)
 
     def _relay_epoch(self, epoch: int, handed: tuple[dict[str, torch.Tensor], dict[str, object]] | None) -> tuple[list[float], tuple[dict[str, torch.Tensor], dict[str, object]]]:
         t = self.settings.training
@@ -350,5 +347,4 @@ class HorizontalTrainer:
             "branch": np.concatenate([[b] * len(self.labels[b].split.test) for b in self.order]),
             "position": np.concatenate([self.labels[b].split.test for b in self.order]),
             "target": targets.numpy(), **self.task.score_columns(scores)})
-        audit = {b: {k: np.concatenate(v) for k, v in a.items() if v} for b, a in self._audit.items()}
-        return HorizontalOutcome(book, test, per_branch, predictions, dict(self.steps), self.top, self.encoder, audit)
+        return HorizontalOutcome(book, test, per_branch, predictions, dict(self.steps), self.top, self.encoder, self.audit)

@@ -109,8 +109,8 @@ def owner_run(settings: ConfigurationSettings, data: Path, *, label: str | None,
                 "rows": everyone, "embedding": trainer.embeddings(everyone),
                 "features": prepared.features.numpy(), "targets": prepared.targets.numpy(),
                 "train": prepared.split.train})
-            if outcome.audit:
-                _save_arrays(audit / "gradients-compute.safetensors", outcome.audit)
+            if outcome.audit is not None:
+                outcome.audit.save(audit)
             atomic_write_text(audit / "features.json", json.dumps(prepared.encoder.feature_names()) + "\n")
         peer.end()
         communication = _communication({compute[0]: peer}, outcome.steps)
@@ -157,13 +157,13 @@ def horizontal_run(settings: ConfigurationSettings, labels_file: Path, *, branch
         with bar:
             trainer = HorizontalTrainer(settings, task, labels, peers, progress=progress)
             outcome = trainer.run()
-        if settings.audit:
+        if outcome.audit is not None:
             for b in trainer.order:
                 rows = np.arange(len(labels[b].targets))
-                _save_arrays(out / "audit" / f"embeddings-{b}.safetensors", {
-                    "rows": rows, "embedding": trainer.embeddings(b, rows), "targets": labels[b].targets.numpy()})
-                if outcome.audit.get(b):
-                    _save_arrays(out / "audit" / f"gradients-{b}.safetensors", outcome.audit[b])
+                outcome.audit.embeddings[b] = {"rows": torch.from_numpy(rows),
+                                               "embedding": torch.from_numpy(trainer.embeddings(b, rows)),
+                                               "targets": labels[b].targets}
+            outcome.audit.save(out / "audit")
         # The client-side model every branch ended with (the relay's last, SplitFed's average): the bank holds it.
         weights, _ = peers[trainer.order[0]].weights(optimizer=False)
         files = {"top": _save_model(out, "top", outcome.top),

@@ -18,7 +18,7 @@ import copy
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from bank.audit_record import AuditRecord
 from bank.config import TrainingConfig
 from bank.epochs import EpochBook
 from bank.configurations.layer_peer import LayerPeer
@@ -106,7 +107,7 @@ class OwnerOutcome:
     resumes: int
     bottom: nn.Module
     head: nn.Module | None
-    audit: dict[str, np.ndarray] = field(default_factory=dict)
+    audit: AuditRecord | None = None
 
 
 class OwnerTrainer:
@@ -124,7 +125,7 @@ class OwnerTrainer:
         self.head = owner_head(settings, data.task)
         self.head_opt = build_optimizer(self.head.parameters(), settings.top) if self.head is not None else None
         self.u_shaped = settings.configuration == "u-shaped"
-        self._audit: dict[str, list[np.ndarray]] = {"epoch": [], "rows": [], "grads": []}
+        self.audit = AuditRecord() if settings.audit else None
 
     # --- one step -------------------------------------------------------------------------------------------
     def _step(self, step: int, rows: torch.Tensor, epoch: int) -> float:
@@ -137,8 +138,8 @@ class OwnerTrainer:
             self.head_opt.zero_grad(set_to_none=True)
             loss.backward()
             assert h2.grad is not None
-            if self.settings.audit:  # what the compute party receives: the gradient at its output
-                self._record(epoch, rows, h2.grad)
+            if self.audit is not None:  # what the compute party receives: the gradient at its output
+                self.audit.record("compute", epoch, step, rows, h2.grad)
             g1 = self.peer.backward(step, h2.grad)
             loss_value = float(loss.detach())
         else:
@@ -149,11 +150,6 @@ class OwnerTrainer:
         if self.head_opt is not None:
             self.head_opt.step()
         return loss_value
-
-    def _record(self, epoch: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        self._audit["epoch"].append(np.full(len(rows), epoch, dtype=np.int64))
-        self._audit["rows"].append(rows.numpy().copy())
-        self._audit["grads"].append(grad.detach().numpy().copy())
 
     # --- evaluation -----------------------------------------------------------------------------------------
     def outputs(self, positions: np.ndarray) -> torch.Tensor:
@@ -225,8 +221,8 @@ class OwnerTrainer:
                                    "step %d, the start of epoch %d", self.session_id, step, epoch + 1)
                     self._load_own(own)
                     self.peer.start(compute_start(s, self.session_id, task, resume_step=step))
-                    self._audit = {k: [a for a, e in zip(v, self._audit["epoch"]) if e[0] < epoch]
-                                   for k, v in self._audit.items()}
+                    if self.audit is not None:  # the steps after ``step`` are trained, and recorded, again
+                        self.audit.truncate(step + 1)
                     continue
                 saved.append((epoch, step, self._own_state()))
                 row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)) if losses else float("nan"),
@@ -262,5 +258,4 @@ class OwnerTrainer:
         test = task.metrics(test_targets, test_scores)
         predictions = pd.DataFrame({"position": split.test, "target": test_targets.numpy(),
                                     **task.score_columns(test_scores)})
-        audit = {k: np.concatenate(v) for k, v in self._audit.items() if v}
-        return OwnerOutcome(book, test, predictions, test_scores, step, resumes, self.bottom, self.head, audit)
+        return OwnerOutcome(book, test, predictions, test_scores, step, resumes, self.bottom, self.head, self.audit)

@@ -29,7 +29,8 @@ from bank.vertical.party import TrainingParty
 from bank.vertical.recovery import Recovery
 from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.epochs import EpochBook
-from bank.vertical.state import AuditRecord, LoopState
+from bank.audit_record import AuditRecord
+from bank.vertical.state import LoopState
 from bank.scoring.subsets import partial_subsets
 from bank.task import Task
 from parties.errors import Behind, CutlayerError, PeerUnavailable, StorageError, UnknownSession
@@ -38,7 +39,7 @@ from parties.learning.model import build_optimizer, mlp
 from parties.learning.secret import Secret
 from parties.storage.checkpoint import CheckpointWriter
 
-__all__ = ["AuditRecord", "Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
+__all__ = ["Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +235,8 @@ class Coordinator(Recovery):
             top, optimizer = self._reattach()
             self.top = top
             loop = self._rollback(LoopState(grads=[], book=self._book()), optimizer, "resuming after the bank stopped")
+            if self.audit is not None:  # what crossed before the bank stopped was in the memory it lost
+                self.audit.first_step = loop.step
         else:  # a session the bank stopped before its first checkpoint starts again, the same way
             if resume:
                 logger.warning("session %s: the bank has no checkpoint of it; starting it again", self.session_id)
@@ -355,7 +358,7 @@ class Coordinator(Recovery):
                 loop.grads = [mine] + [self.defense(g, labels, loop.step, k, rows) for k, g in enumerate(theirs, start=1)]
                 if self.audit is not None:
                     for p, g in zip(self.parties[1:], loop.grads[1:]):
-                        self.audit.add_gradients(p.name, loop.epoch, loop.step, rows, g)
+                        self.audit.record(p.name, loop.epoch, loop.step, rows, g)
                 loop.step += 1
                 loop.batch += len(group)
                 unsaved = checkpoint

@@ -28,6 +28,7 @@ from parties.storage.checkpoint import (
 )
 
 if TYPE_CHECKING:
+    from bank.audit_record import AuditRecord
     from bank.vertical.local_steps import LocalTop
     from bank.vertical.party import TrainingParty
 
@@ -49,6 +50,7 @@ class Recovery:
     local_top: LocalTop
     widths: dict[str, int]
     rollbacks: int
+    audit: AuditRecord | None
 
     def _start(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         raise NotImplementedError
@@ -114,6 +116,8 @@ class Recovery:
         grads = checkpoint.section("grads")
         restored = LoopState.from_meta(checkpoint.meta["loop"], [grads.get(str(i)) for i in range(len(self.parties))],
                                        self._book(), checkpoint.section("best_top") or None)
+        if self.audit is not None:  # the steps from here on are replayed, and recorded again
+            self.audit.truncate(restored.step)
         self.rollbacks += 1
         return restored
 
@@ -129,6 +133,8 @@ class Recovery:
         self.top.load_state_dict(top.state_dict())
         optimizer.load_state_dict(fresh.state_dict())
         self.writer.reset(None)
+        if self.audit is not None:
+            self.audit.truncate(0)
         self.rollbacks += 1
         return LoopState(grads=[None] * len(self.parties), book=self._book())
 

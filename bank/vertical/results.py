@@ -84,8 +84,7 @@ def write_run(
     split.insert(1, "bank_row", bank_rows[split["position"].to_numpy()])  # row in the bank's own file
     _csv(run_dir / "split.csv", split)
     if outcome.audit is not None:
-        for name, tensors in outcome.audit.tensors().items():
-            atomic_write_bytes(run_dir / "audit" / f"{name}.safetensors", save_tensors(tensors))
+        outcome.audit.save(run_dir / "audit")
     top_blob = save_tensors({k: v.contiguous() for k, v in top.state_dict().items()}, metadata={"session": outcome.session_id})
     atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
     _json(run_dir / "model" / "task.json", task.to_dict())

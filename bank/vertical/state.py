@@ -1,4 +1,4 @@
-"""What a training run keeps as it goes: where the loop stands, and (audit mode) what crossed the cut."""
+"""What a training run keeps as it goes: where the loop stands (what crossed the cut: ``bank.audit_record``)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,7 @@ import torch
 
 from bank.epochs import EpochBook
 
-__all__ = ["AuditRecord", "LoopState"]
-
-
-@dataclass
-class AuditRecord:
-    """What crossed the cut, kept for analysis only (``TrainingConfig.audit``).
-
-    ``gradients[name]`` holds, per training row and epoch, the gradient that
-    partner received; ``embeddings[name]`` the final model's embeddings of the
-    validation and test rows, as the bank received them.
-    """
-
-    gradients: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
-    embeddings: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def add_gradients(self, name: str, epoch: int, step: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        record = self.gradients.setdefault(name, {"epoch": [], "step": [], "rows": [], "grads": []})
-        record["epoch"].append(torch.full((len(rows),), epoch, dtype=torch.int64))
-        record["step"].append(torch.full((len(rows),), step, dtype=torch.int64))
-        record["rows"].append(rows.clone())
-        record["grads"].append(grad.detach().clone())
-
-    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """One flat tensor dict per file: ``gradients-<name>`` and ``embeddings-<name>``."""
-        out = {f"gradients-{n}": {k: torch.cat(v) for k, v in r.items()} for n, r in self.gradients.items()}
-        out |= {f"embeddings-{n}": r for n, r in self.embeddings.items()}
-        return out
+__all__ = ["LoopState"]
 
 
 @dataclass
