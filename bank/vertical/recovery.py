@@ -22,9 +22,9 @@ from parties.errors import ConfigError
 from parties.storage.checkpoint import (
     CheckpointWriter,
     checkpoint_steps,
-    flatten_optimizer,
+    load_model_state,
+    model_state,
     read_checkpoint,
-    unflatten_optimizer,
 )
 
 if TYPE_CHECKING:
@@ -72,9 +72,7 @@ class Recovery:
 
     def _save(self, loop: LoopState, optimizer: torch.optim.Optimizer) -> None:
         assert self.top is not None and self.checkpoint_dir is not None
-        tensors = {f"top.{k}": v.detach().clone() for k, v in self.top.state_dict().items()}
-        optim, optim_meta = flatten_optimizer(optimizer, "optim")
-        tensors |= optim
+        tensors, optim_meta = model_state(self.top, optimizer, prefix="top")
         tensors |= {f"grads.{i}": g for i, g in enumerate(loop.grads) if g is not None}
         if loop.book.best_state is not None:
             tensors |= {f"best_top.{k}": v for k, v in loop.book.best_state.items()}
@@ -107,8 +105,7 @@ class Recovery:
             p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
         self.writer.reset(step)
-        self.top.load_state_dict(checkpoint.section("top"))
-        unflatten_optimizer(optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
+        load_model_state(self.top, optimizer, checkpoint, checkpoint.meta["optimizer"], prefix="top")
         self.local_top.cache.clear()
         for i in range(checkpoint.meta.get("cached", 0)):
             cached = checkpoint.section(f"cache.{i}")

@@ -59,7 +59,7 @@ from parties.learning.nopeek import NoPeek
 from parties.learning.secret import Secret
 from parties.protocol.training import PrivacyReport
 from parties.protocol.wire import all_finite
-from parties.storage.checkpoint import Checkpoint, flatten_optimizer, unflatten_optimizer
+from parties.storage.checkpoint import Checkpoint, load_model_state, model_state
 
 __all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
 
@@ -309,9 +309,7 @@ class BottomTrainer:
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything needed to continue exactly from here, as named tensors and JSON."""
         with self._lock:
-            tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
-            optim, optim_meta = flatten_optimizer(self.optimizer, "optim")
-            tensors |= optim
+            tensors, optim_meta = model_state(self.model, self.optimizer)
             if self._pending_index is not None:
                 tensors["pending.rows"] = self._pending_index.clone()
                 if self.local is not None:  # what it answered: reuse weighs rows by it, whatever the weights do
@@ -345,8 +343,7 @@ class BottomTrainer:
     def load_state(self, checkpoint: Checkpoint, meta: dict[str, Any]) -> None:
         """Continue from a checkpoint: the pending embedding is recomputed from its rows, bit for bit."""
         with self._lock:
-            self.model.load_state_dict(checkpoint.section("model"))
-            unflatten_optimizer(self.optimizer, checkpoint.section("optim"), meta["optimizer"])
+            load_model_state(self.model, self.optimizer, checkpoint, meta["optimizer"])
             self.next_step, self.releases = meta["next_step"], meta["releases"]
             if "secret" in meta:
                 self.secret = Secret.from_state(meta["secret"])

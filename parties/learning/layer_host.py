@@ -34,11 +34,10 @@ from parties.learning.model import build_optimizer, check_targets, mlp, task_los
 from parties.protocol.layers import LayerInfo, LayerStart
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import (
-    checkpoint_steps,
-    flatten_optimizer,
-    read_checkpoint,
+    load_model_state,
+    model_state,
+    read_held_checkpoint,
     remove_checkpoints,
-    unflatten_optimizer,
     write_checkpoint,
 )
 
@@ -231,11 +230,10 @@ class LayerSession:
             raise OutOfOrder("only a branch's bottom model moves between parties")
         with self.lock:
             self._at_boundary("read the weights")
-            tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+            tensors, optim_meta = model_state(self.model, self.optimizer if with_optimizer else None)
             meta: dict[str, object] = {"step": self.step}
-            if with_optimizer:
-                optim, meta["optimizer"] = flatten_optimizer(self.optimizer, "optim")
-                tensors.update(optim)
+            if optim_meta is not None:
+                meta["optimizer"] = optim_meta
             return tensors, meta
 
     def load_weights(self, tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> None:
@@ -308,9 +306,7 @@ class LayerSession:
             self._at_boundary("checkpoint")
             if self.folder is None:
                 raise OutOfOrder("this session has no folder for checkpoints")
-            tensors = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
-            optim, meta = flatten_optimizer(self.optimizer, "optim")
-            tensors.update(optim)
+            tensors, meta = model_state(self.model, self.optimizer)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # its folder is the session's
             with self.quota(nbytes) if self.quota is not None else nullcontext():
                 write_checkpoint(self.folder, step, tensors,
@@ -326,10 +322,9 @@ class LayerSession:
         if self.folder is None:
             raise OutOfOrder("this session has no folder for checkpoints")
         with self.lock:
-            if step not in checkpoint_steps(self.folder):  # never a path made from the bank's number
-                raise OutOfOrder(f"this session has no checkpoint of step {step}")
             try:
-                saved = read_checkpoint(self.folder, step)
+                saved = read_held_checkpoint(  # never a path made from the bank's number
+                    self.folder, step, lambda held: f"this session has no checkpoint of step {step}")
             except DataError as exc:
                 logger.error("%s", exc)  # the path is the operator's to see, not the bank's
                 raise DataError(f"the checkpoint of step {step} is not readable") from exc
@@ -338,8 +333,7 @@ class LayerSession:
             if saved.meta.get("layout") != self._layout():
                 raise OutOfOrder(f"the checkpoint of step {step} was written by another model "
                                  f"({saved.meta.get('layout')}), not this session's ({self._layout()})")
-            self.model.load_state_dict(saved.section("model"))
-            unflatten_optimizer(self.optimizer, saved.section("optim"), saved.meta["optimizer"])
+            load_model_state(self.model, self.optimizer, saved, saved.meta["optimizer"])
             self.step, self._pending, self._answers = step, None, {}
 
     def close(self) -> None:

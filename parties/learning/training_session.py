@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from safetensors.torch import save as save_tensors
 
-from parties.errors import BadMessage, OutOfOrder, StorageError
+from parties.errors import BadMessage, StorageError
 from parties.learning.bottom import BottomTrainer
 from parties.learning.config import LocalSteps
 from parties.learning.embedding_noise import PrivacyConfig
 from parties.learning.hijack_monitor import MonitorConfig
 from parties.learning.model import BottomConfig
-from parties.storage.checkpoint import CheckpointWriter, checkpoint_steps, read_checkpoint
+from parties.storage.checkpoint import CheckpointWriter, read_checkpoint, read_held_checkpoint
 from parties.storage.files import atomic_write_bytes
 from parties.storage.quota import FOLDER_BYTES
 from parties.tables.encoding import TabularEncoder
@@ -95,10 +95,9 @@ class PartySession:
     def restore(self, folder: Path, step: int) -> None:
         """Roll this session back (or forward) to its checkpoint at ``step``."""
         self.writer.flush()
-        if step not in (held := checkpoint_steps(folder)):
-            raise OutOfOrder(f"training session {self.session_id} has no checkpoint at step {step} to roll back "
-                             f"to; this party holds steps {held}")
-        checkpoint = read_checkpoint(folder, step)
+        checkpoint = read_held_checkpoint(folder, step, lambda held: (
+            f"training session {self.session_id} has no checkpoint at step {step} to roll back to; this party "
+            f"holds steps {held}"))
         if checkpoint.meta["session"] != self.session_id:
             raise BadMessage(f"the checkpoint at step {step} belongs to another session")
         self.trainer.load_state(checkpoint, checkpoint.meta["trainer"])

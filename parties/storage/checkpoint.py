@@ -12,6 +12,11 @@ checkpoints older than that; until it knows one, it deletes nothing. So the
 step a rollback needs is never deleted, however far apart the parties' writes
 are. (``keep``, the last N, is for writers outside a training session.)
 
+Every party's model and optimizer go in and out of a checkpoint the same way (``model_state``,
+``load_model_state``), and a step is read only if the folder holds it (``read_held_checkpoint``): the
+partner's bottom, a compute party's or branch's layers, and the bank's top. What each adds (a bottom's
+retry slot and defenses, a layer's layout, the bank's loop) is its own.
+
 Training writes them through a ``CheckpointWriter``: the snapshot is taken at
 once, and the write, which waits on the disk, overlaps the next steps. A write
 that fails (a full disk) leaves the checkpoints before it whole, and the
@@ -40,8 +45,9 @@ from parties.protocol.wire import parse, serialize
 from parties.storage.files import atomic_write_bytes
 from parties.storage.quota import FOLDER_BYTES
 
-__all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "read_checkpoint",
-           "remove_checkpoints", "unflatten_optimizer", "write_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointWriter", "checkpoint_steps", "flatten_optimizer", "load_model_state",
+           "model_state", "read_checkpoint", "read_held_checkpoint", "remove_checkpoints", "unflatten_optimizer",
+           "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,34 @@ def unflatten_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
     for index, entry in meta["scalars"].items():
         state.setdefault(int(index), {}).update(entry)
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, prefix: str = "model",
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """A model's weights as ``<prefix>.*`` tensors (copies) and, with its ``optimizer``, the optimizer's state as
+    ``optim.*`` tensors and its meta (``flatten_optimizer``; ``None`` without one)."""
+    tensors = {f"{prefix}.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    if optimizer is None:
+        return tensors, None
+    optim, meta = flatten_optimizer(optimizer, "optim")
+    return tensors | optim, meta
+
+
+def load_model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
+                     optimizer_meta: dict[str, Any], prefix: str = "model") -> None:
+    """What ``model_state`` saved, back into ``model`` and ``optimizer``."""
+    model.load_state_dict(checkpoint.section(prefix))
+    unflatten_optimizer(optimizer, checkpoint.section("optim"), optimizer_meta)
+
+
+def read_held_checkpoint(folder: Path, step: int, missing: Callable[[list[int]], str]) -> Checkpoint:
+    """The checkpoint of ``step`` if ``folder`` holds one, else ``OutOfOrder(missing(held steps))``: a path is
+    never made from a number a peer sent before the folder's own listing shows it."""
+    from parties.errors import OutOfOrder
+
+    if step not in (held := checkpoint_steps(folder)):
+        raise OutOfOrder(missing(held))
+    return read_checkpoint(folder, step)
 
 
 def write_checkpoint(
