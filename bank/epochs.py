@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["EpochBook"]
+__all__ = ["EpochBook", "train_epochs"]
 
 Objective = tuple[str, Literal["max", "min"]]
 
@@ -88,3 +89,31 @@ class EpochBook:
         self.best_score, self.best_epoch, self.stale = meta["best_score"], meta["best_epoch"], meta["stale"]
         self.best_state = best_state
         return self
+
+
+def train_epochs(book: EpochBook, epochs: int, steps: Callable[[int], Iterable[Callable[[], object]]],
+                 validate: Callable[[], dict[str, float]], *, state: Callable[[], Any],
+                 restore: Callable[[Any], object] | None = None, max_steps: int | None = None) -> list[float]:
+    """The epoch loop of a model trained in one process (the lab's unsplit references and twins).
+
+    Each epoch runs ``steps(epoch)`` (one callable per training step; ``max_steps`` in all, if given), then
+    records ``validate()`` (the task's metrics) in ``book`` with ``state()`` kept at a new best, and stops
+    when the book says so. Then ``restore`` (if given) gets the best epoch's state. Returns the seconds each
+    epoch's steps took.
+    """
+    seconds: list[float] = []
+    done = 0
+    for epoch in range(epochs):
+        began = time.perf_counter()
+        for step in steps(epoch):
+            if max_steps is not None and done >= max_steps:
+                break
+            step()
+            done += 1
+        seconds.append(time.perf_counter() - began)
+        book.record_validation(validate(), state=state)
+        if book.stop or (max_steps is not None and done >= max_steps):
+            break
+    if restore is not None and book.best_state is not None:
+        restore(book.best_state)
+    return seconds

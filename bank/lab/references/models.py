@@ -10,18 +10,18 @@ run's own train/validation/test rows.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from sklearn import metrics as skm
 from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
 from sklearn.linear_model import LogisticRegression, Ridge
 
 from bank.config import TopConfig
-from bank.epochs import EpochBook
+from bank.epochs import EpochBook, train_epochs
 from bank.vertical.results import Run
 from bank.lab.references.unsplit import UnsplitModel
 from bank.task import Task
@@ -156,34 +156,37 @@ def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarra
     config = run.config
     bottoms = {"bank": BottomConfig.model_validate(config["bank_bottom"])}
     bottoms |= {n: _partner_bottom(run, n) for n in features if n != "bank"}
-    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], Task("binary"))
+    task = Task.from_dict(json.loads((run.bank_run_dir / "model" / "task.json").read_text()))
+    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], task)
     return fit_unsplit(model, targets, splits, config, config["seed"])
 
 
 def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.ndarray], config: dict[str, Any],
                 seed: int) -> np.ndarray:
-    """Train ``model`` with the run's schedule (batches from ``seed``) and early stopping; its test scores."""
+    """Train ``model`` with the run's schedule (batches from ``seed``), early stopping on the task's objective and
+    the run's ``restore_best``; its test scores."""
     task = model.task
-    y = torch.from_numpy(targets.astype(np.float32))
+    y = torch.from_numpy(targets.astype(np.int64 if task.kind == "multiclass" else np.float32))
     val, test = (torch.from_numpy(splits[k]) for k in ("val", "test"))
-    book = EpochBook(config["patience"])
-    for epoch in range(config["epochs"]):
-        model.train_batches(epoch_batches(splits["train"], config["batch_size"], seed, epoch), y)
+
+    def steps(epoch: int) -> Iterator[Callable[[], float]]:
+        for rows in epoch_batches(splits["train"], config["batch_size"], seed, epoch):
+            yield lambda rows=rows: model.train_step(rows, y)
+
+    def validate() -> dict[str, float]:
         with torch.no_grad():
-            auc = skm.roc_auc_score(targets[splits["val"]], task.scores(model.eval()(val)))
-        model.train()
-        book.record(auc, state=model.state_dict)
-        if book.stop:
-            break
-    model.load_state_dict(book.best_state)
+            return task.metrics(y[val], task.scores(model(val)))
+
+    train_epochs(EpochBook(config["patience"], task.objective), config["epochs"], steps, validate,
+                 state=model.state_dict, restore=model.load_state_dict if config.get("restore_best", True) else None)
     with torch.no_grad():
-        return task.scores(model.eval()(test))
+        return task.scores(model(test))
 
 
 def reference_models(run: Run, seed: int = 0, partition: PartyFiles = None) -> pd.DataFrame:
     """The split model and its references on the run's own test rows: the task's headline test metrics.
 
-    ``partition``: where every party's file is (``PartyFiles``). The unsplit MLP (binary runs) needs every
+    ``partition``: where every party's file is (``PartyFiles``). The unsplit MLP needs every
     partner's bottom configuration: it is left out when the run folder lacks a partner's model files (a run
     trained by separate services keeps them with each partner).
     """
@@ -216,7 +219,7 @@ def reference_models(run: Run, seed: int = 0, partition: PartyFiles = None) -> p
         x = features["bank"] if cols == "bank" else everything
         rows.append(_scores(task, name, cols, y[test], predict(model.fit(x[train], y[train]), x[test])))
     partners_saved = all((run.model_dir(name) / "bottom-config.json").exists() for name in features if name != "bank")
-    if task.kind == "binary" and partners_saved:
+    if partners_saved:
         rows.append(_scores(task, "centralised: unsplit MLP (same architecture)", "all parties", y[test],
                             _unsplit_mlp(run, features, y, splits)))
     return pd.DataFrame(rows)

@@ -8,7 +8,7 @@ once, shuffled together: the reference the horizontal bars are measured against,
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from bank.configurations.horizontal import BranchLabels, fedavg, horizontal_top
 from bank.configurations.u_shaped import OwnerData, owner_head
 from bank.vertical.schedule import epoch_batches
 from bank.configurations.split_run import ConfigurationSettings
-from bank.epochs import EpochBook
+from bank.epochs import EpochBook, train_epochs
 from bank.task import Task
 from parties.learning.model import build_bottom, build_optimizer, mlp
 from parties.tables.encoding import TabularEncoder
@@ -73,21 +73,15 @@ def owner_twin(settings: ConfigurationSettings, data: OwnerData) -> TwinOutcome:
         with torch.no_grad():
             return task.scores(model(data.features[torch.from_numpy(positions)]))
 
-    book, step, seconds = EpochBook(t.patience, task.objective), 0, []
-    for epoch in range(t.epochs):
-        began = time.perf_counter()
+    def steps(epoch: int) -> Iterator[Callable[[], None]]:
         for rows in epoch_batches(split.train, t.batch, t.seed, epoch):
-            if t.max_steps is not None and step >= t.max_steps:
-                break
-            step += 1
-            _update(optimizers, task.loss(model(data.features[rows]), data.targets[rows]))
-        seconds.append(time.perf_counter() - began)
-        book.record_validation(task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val)),
-                               state=model.state_dict)
-        if book.stop or (t.max_steps is not None and step >= t.max_steps):
-            break
-    if t.restore_best:
-        model.load_state_dict(book.best_state)
+            yield lambda rows=rows: _update(optimizers, task.loss(model(data.features[rows]), data.targets[rows]))
+
+    book = EpochBook(t.patience, task.objective)
+    seconds = train_epochs(book, t.epochs, steps,
+                           lambda: task.metrics(data.targets[torch.from_numpy(split.val)], scores(split.val)),
+                           state=model.state_dict, restore=model.load_state_dict if t.restore_best else None,
+                           max_steps=t.max_steps)
     test_scores = scores(split.test)
     test = task.metrics(data.targets[torch.from_numpy(split.test)], test_scores)
     names = ["bottom", "trunk", "head"] if len(modules) == 3 else ["bottom", "server"]
@@ -135,30 +129,31 @@ def horizontal_twin(settings: ConfigurationSettings, task: Task, labels: dict[st
         y = torch.cat([labels[b].targets[torch.from_numpy(getattr(labels[b].split, part))] for b in order])
         return np.concatenate(s), y
 
-    book, seconds = EpochBook(t.patience, task.objective), []
-    for epoch in range(t.epochs):
-        began = time.perf_counter()
+    def steps(epoch: int) -> Iterator[Callable[[], None]]:
         if relay:
             for b in order:
                 for r in epoch_batches(labels[b].split.train, t.batch, t.seed, epoch):
-                    step([b], [r])
-        else:
-            batches = {b: epoch_batches(labels[b].split.train, t.batch, t.seed, epoch) for b in order}
-            longest = max(len(v) for v in batches.values())
-            for j in range(longest):
+                    yield lambda b=b, r=r: step([b], [r])
+            return
+        batches = {b: epoch_batches(labels[b].split.train, t.batch, t.seed, epoch) for b in order}
+        longest = max(len(v) for v in batches.values())
+        for j in range(longest):
+            def one(j: int = j) -> None:
                 active = [b for b in order if j < len(batches[b])]
                 step(active, [batches[b][j] for b in active])
                 if (settings.fedavg_every and (j + 1) % settings.fedavg_every == 0) or j == longest - 1:
                     average()
-        seconds.append(time.perf_counter() - began)
-        book.record_validation(task.metrics(*reversed(scores("val"))),
-                               state=lambda: {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()})
-        if book.stop:
-            break
-    if t.restore_best:
+            yield one
+
+    def restore(best: dict[str, Any]) -> None:
         for b in (order[:1] if relay else order):
-            bottoms[b].load_state_dict(book.best_state["bottom"])
-        top.load_state_dict(book.best_state["top"])
+            bottoms[b].load_state_dict(best["bottom"])
+        top.load_state_dict(best["top"])
+
+    book = EpochBook(t.patience, task.objective)
+    seconds = train_epochs(book, t.epochs, steps, lambda: task.metrics(*reversed(scores("val"))),
+                           state=lambda: {"bottom": bottoms[order[0]].state_dict(), "top": top.state_dict()},
+                           restore=restore if t.restore_best else None)
     test_scores, y = scores("test")
     return TwinOutcome(test_scores, task.metrics(y, test_scores), book.history, book.best_epoch,
                        {"bottom": bottoms[order[0]], "top": top}, seconds)
@@ -187,17 +182,13 @@ def centralised(settings: ConfigurationSettings, task: Task, labels: dict[str, B
         with torch.no_grad():
             return task.scores(model(x[torch.from_numpy(positions)]))
 
-    book, seconds = EpochBook(t.patience, task.objective), []
-    for epoch in range(t.epochs):
-        began = time.perf_counter()
+    def steps(epoch: int) -> Iterator[Callable[[], None]]:
         for rows in epoch_batches(train, t.batch, t.seed, epoch):
-            _update(optimizers, task.loss(model(x[rows]), y[rows]))
-        seconds.append(time.perf_counter() - began)
-        book.record_validation(task.metrics(y[torch.from_numpy(val)], scores(val)), state=model.state_dict)
-        if book.stop:
-            break
-    if t.restore_best:
-        model.load_state_dict(book.best_state)
+            yield lambda rows=rows: _update(optimizers, task.loss(model(x[rows]), y[rows]))
+
+    book = EpochBook(t.patience, task.objective)
+    seconds = train_epochs(book, t.epochs, steps, lambda: task.metrics(y[torch.from_numpy(val)], scores(val)),
+                           state=model.state_dict, restore=model.load_state_dict if t.restore_best else None)
     test_scores = scores(test)
     return TwinOutcome(test_scores, task.metrics(y[torch.from_numpy(test)], test_scores), book.history,
                        book.best_epoch, {"bottom": bottom, "top": top}, seconds)
