@@ -40,6 +40,7 @@ class AuditRecord:
 
     def truncate(self, next_step: int) -> None:
         """Forget every step from ``next_step`` on: the run goes back there and records them again."""
+        self.first_step = min(self.first_step, next_step)
         for name, kept in list(self.gradients.items()):
             keep = [i for i, s in enumerate(kept["step"]) if int(s[0]) < next_step]
             self.gradients[name] = {k: [v[i] for i in keep] for k, v in kept.items()}

@@ -6,12 +6,14 @@
 - **who answered**: the certificate's name and role (``expect_server``); a failed handshake is
   ``PeerUntrusted``, no answer at all ``PeerUnavailable``;
 - **how much of an answer is read**: as it streams in, refused past the size it could honestly have (a
-  refusal's past ``ERROR_BODY_LIMIT``) or past ``answer_deadline`` seconds: a peer cannot spend the bank's
+  refusal's past ``ERROR_BODY_LIMIT``) or past ``answer_deadline`` seconds, and never decompressed (a few
+  hundred compressed bytes can decode to gigabytes before any size check): a peer cannot spend the bank's
   memory or time;
 - **the counts**: round trips, bytes sent and received, retries (every answer counted once, whichever
   connection brought it);
 - **one refusal map**: a peer's ``{"error": kind}`` raised as the ``parties.errors`` class of that name,
-  for the kinds a caller acts on (``PASSED_ON``), else ``PeerError``;
+  for the kinds a caller acts on (``PASSED_ON``), else ``PeerError``; every refusal is a ``PeerError`` too, so
+  code that handles any peer's failure (ending a session, say) handles them all;
 - **one retry rule**: only an idempotent call is retried (``call``; ``once`` is not), only while the peer does
   not answer, under ``retry_policy``; a peer that has never answered is given ``FIRST_CONTACT_DEADLINE``
   seconds (a wrong URL or a service not started is said within seconds), one that has answered the
@@ -31,8 +33,9 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_bef
 
 from parties.errors import (
     AlignmentMismatch,
-    Behind,
     BadMessage,
+    Behind,
+    CutlayerError,
     IntersectionTooSmall,
     NotReady,
     OutOfOrder,
@@ -64,9 +67,18 @@ FIRST_CONTACT_DEADLINE = 5.0
 #: The refusals a caller acts on, by the ``error`` a peer names: raised as themselves, every other one as
 #: ``PeerError``. ``NotReady`` (a PSI chunk not computed yet) and ``Behind`` (a restarted partner behind the
 #: bank) are among them.
-PASSED_ON: dict[str, type[PeerError]] = {e.__name__: e for e in (
+def _refused_as(kind: type[CutlayerError]) -> type[PeerError]:
+    """``kind`` as a peer's refusal: caught as ``kind`` where the caller acts on it, and as ``PeerError`` where it
+    handles any peer's failure. Its HTTP status and name are ``kind``'s."""
+    doc = f"A peer's refusal: {kind.__doc__}"
+    return type(kind.__name__, (kind, PeerError), {"__module__": __name__, "__doc__": doc})
+
+
+PASSED_ON: dict[str, type[PeerError]] = {e.__name__: _refused_as(e) for e in (
     AlignmentMismatch, Behind, IntersectionTooSmall, NotReady, OutOfOrder, OverBudget, QuotaExceeded, StorageError,
     UnknownSession)}
+#: Answers are read as sent: a compressed one is refused, never decoded (``PeerLink._read``).
+IDENTITY = {"accept-encoding": "identity"}
 
 
 def retry_policy(deadline: float, before_sleep: Callable[[RetryCallState], None] | None = None) -> Retrying:
@@ -117,6 +129,7 @@ class PeerLink:
         ``ERROR_BODY_LIMIT``); a refusal raised as its error."""
         try:
             request = self.client.build_request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
+            request.headers.update(IDENTITY)
             response = self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc, what) from exc
@@ -134,10 +147,14 @@ class PeerLink:
         if declared.isdigit() and int(declared) > limit:
             raise PeerError(f"{self.who}{refusal} announced {declared} bytes ({what}); no more than {limit} bytes "
                             "were expected")
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise PeerError(f"{self.who}{refusal} sent its answer ({what}) {encoding}-encoded; answers are read as "
+                            "sent (identity), never decompressed")
         deadline = time.monotonic() + self.answer_deadline
         parts, size = [], 0
         try:
-            for part in response.iter_bytes():
+            for part in response.iter_raw():
                 size += len(part)
                 if size > limit:
                     raise PeerError(f"{self.who}{refusal} sent more than {limit} bytes ({what})")
@@ -163,12 +180,12 @@ class PeerLink:
         try:
             body = json.loads(content)
             kind, detail = str(body.get("error")), str(body.get("detail"))[:2000]
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, or nested to no end
             kind, detail = "", content[:200].decode(errors="replace")
         if kind == "NotReady":  # not a failure: the caller asks again
-            raise NotReady(detail)
+            raise PASSED_ON[kind](f"{self.who} is not ready: {detail}")
         if kind == "Behind":
-            raise Behind(f"{self.who} is behind: {detail}")
+            raise PASSED_ON[kind](f"{self.who} is behind: {detail}")
         raise PASSED_ON.get(kind, PeerError)(f"{self.who} refused {what} (HTTP {status}): {detail}")
 
     def decoded(self, parse: Callable[[], T], what: str) -> T:

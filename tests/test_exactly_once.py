@@ -23,14 +23,14 @@ class FaultyConnection(StepConnection):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.faults, self.calls, self.injected = faults, 0, []
 
-    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], tuple[int, bytes]]:
+    def send(self, path: str, body: bytes, content_type: str, limit: int | None = None) -> Callable[[], tuple[int, bytes]]:
         self.calls += 1
         fault = self.faults.get(self.calls)
         if fault == "duplicate":  # the partner gets the request twice; the first answer is thrown away
-            super().send(path, body, content_type)()
+            super().send(path, body, content_type, limit)()
         if fault == "delay":
             time.sleep(0.3)
-        receive = super().send(path, body, content_type)
+        receive = super().send(path, body, content_type, limit)
         if fault == "drop":  # the partner processed it, but the answer never arrives
 
             def dropped() -> tuple[int, bytes]:

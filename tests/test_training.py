@@ -133,3 +133,36 @@ def test_training_through_the_bank_service(pki, bank_full, tmp_path, start_partn
     predictions = pd.read_csv(run_dir / "test_predictions.csv")
     assert len(predictions) == result["rows"]["test"] and predictions["score"].between(0, 1).all()
     assert not list(run_dir.rglob("*.pt")) and not list(run_dir.rglob("*.pkl"))
+
+
+def test_a_party_that_is_always_behind_stops_the_run_after_a_bounded_number_of_rollbacks(tmp_path: Path) -> None:
+    """A restarted party answers ``Behind`` once and the run rolls back; a dishonest one that answers it to every
+    step would hold the run for ever. After ``MAX_ROLLBACKS`` the run stops, saying why and where it stood."""
+    from bank.vertical.coordinator import MAX_ROLLBACKS
+    from parties.errors import Behind
+
+    labels = np.where(np.random.default_rng(0).normal(size=400) > 0, "yes", "no").tolist()
+    coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=2, batch_size=32, checkpoint_every=5)
+    rng = np.random.default_rng(0)
+    ids = [f"c{i}" for i in range(400)]
+    pd.DataFrame({"customer_id": ids, "b": rng.normal(size=400)}).to_csv(tmp_path / "p2.csv", index=False)
+    alignment = AlignedRows("a1", np.arange(400))
+
+    class AlwaysBehind(InProcessParty):
+        answers = 0
+
+        def submit_step(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if step >= 7:
+                AlwaysBehind.answers += 1
+                raise Behind("restarted (not really)")
+            return super().submit_step(step, *args, **kwargs)
+
+    bank = InProcessParty("bank", coordinator.parties[0].table, lambda: alignment, BottomConfig(cut_width=4, seed=0),
+                          checkpoint_dir=lambda s: tmp_path / s / "bank")
+    liar = AlwaysBehind("partner", load_party_table(tmp_path / "p2.csv", "customer_id"), lambda: alignment,
+                        BottomConfig(cut_width=4, seed=1), checkpoint_dir=lambda s: tmp_path / s / "partner")
+    run = Coordinator(coordinator.config, coordinator.task, coordinator.targets, [bank, liar], alignment_id="a1",
+                      session_id="s1", checkpoint_dir=tmp_path / "s1" / "coordinator")
+    with pytest.raises(PeerError, match=f"rolled back {MAX_ROLLBACKS} times, the most one run does: training stopped"):
+        run.run()
+    assert run.rollbacks == MAX_ROLLBACKS and AlwaysBehind.answers == MAX_ROLLBACKS + 1

@@ -145,7 +145,7 @@ class LayerPeer(PeerLink):
         meta = header.get("__metadata__") or {}
         try:
             state = json.loads(meta.get("state", "{}"))  # type: ignore[union-attr]
-        except (AttributeError, TypeError, json.JSONDecodeError):
+        except (AttributeError, TypeError, json.JSONDecodeError, RecursionError):
             state = None
         if not isinstance(state, dict):
             raise PeerError(f"{self.who} sent weights without their state")

@@ -33,7 +33,7 @@ from bank.audit_record import AuditRecord
 from bank.vertical.state import LoopState
 from bank.scoring.subsets import partial_subsets
 from bank.task import Task
-from parties.errors import Behind, CutlayerError, PeerUnavailable, StorageError, UnknownSession
+from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
 from parties.learning.secret import Secret
@@ -42,6 +42,9 @@ from parties.storage.checkpoint import CheckpointWriter
 __all__ = ["Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
 
 logger = logging.getLogger(__name__)
+#: How many times one run rolls back (or restarts) for a party that restarted before it stops: a party that
+#: answers ``Behind`` or ``UnknownSession`` again and again is not restarting, and would hold the run for ever.
+MAX_ROLLBACKS = 10
 
 #: The share of a training job's progress the training steps take; finishing (best weights, model
 #: files, the test rows) takes the rest, so a bar reaches its end only when the job has.
@@ -255,6 +258,9 @@ class Coordinator(Recovery):
                 except (Behind, UnknownSession) as exc:  # a party restarted: behind, or before its first checkpoint
                     if self.checkpoint_dir is None:
                         raise
+                    if self.rollbacks >= MAX_ROLLBACKS:  # restarts are rare: a party that is always behind is not
+                        raise PeerError(f"{exc}. The run rolled back {self.rollbacks} times, the most one run does: "
+                                        f"training stopped; {self._last_consistent()}") from exc
                     loop = self._rollback(loop, optimizer, exc)
                 except PeerUnavailable as exc:
                     raise PeerUnavailable(f"{exc}. Training stopped; {self._last_consistent()}") from exc

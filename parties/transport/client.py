@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import time
 from collections.abc import Callable
 from types import TracebackType
 from urllib.parse import urlsplit
@@ -134,11 +135,14 @@ class StepConnection:
         self.connection = _Connection(parts.hostname, port, timeout, tls if parts.scheme == "https" else None, expect)
         self.headers = {CALLER_HEADER: f"{caller.role}:{caller.name}"} if tls is None else {}
         self.max_response_bytes = max_response_bytes
+        self.timeout = timeout
         self._pending: object | None = None  # the exchange whose answer is unread
         self._closed = False
 
-    def send(self, path: str, body: bytes, content_type: str) -> Callable[[], tuple[int, bytes]]:
-        """POST ``body`` now; the returned function waits for the answer: ``(status, body)``."""
+    def send(self, path: str, body: bytes, content_type: str,
+             limit: int | None = None) -> Callable[[], tuple[int, bytes]]:
+        """POST ``body`` now; the returned function waits for the answer: ``(status, body)``, of at most ``limit``
+        bytes (and ``max_response_bytes``), arriving in full within the connection's timeout."""
         if self._closed:
             raise PeerUnavailable(f"the step connection to {self.where} is closed")
         if self._pending is not None:
@@ -158,16 +162,14 @@ class StepConnection:
                 raise PeerUnavailable(f"{self.where}: the answer was dropped (the connection was closed or used "
                                       "again before it was read)")
             self._pending = None
-            limit = self.max_response_bytes
+            most = min(limit, self.max_response_bytes) if limit is not None else self.max_response_bytes
             try:
                 response = self.connection.getresponse()
                 declared = response.getheader("content-length", "")
-                if declared.isdigit() and int(declared) > limit:
-                    raise PeerError(f"{self.where} announced {declared} bytes for a step's answer; at most {limit} "
+                if declared.isdigit() and int(declared) > most:
+                    raise PeerError(f"{self.where} announced {declared} bytes for a step's answer; at most {most} "
                                     "are read")
-                content = response.read(limit + 1)
-                if len(content) > limit:
-                    raise PeerError(f"{self.where} sent a step's answer over {limit} bytes")
+                content = self._read(response, most)
                 if response.will_close or not response.isclosed():  # closing, or more than it announced
                     self.connection.close()
                 return response.status, content
@@ -178,6 +180,20 @@ class StepConnection:
                 raise
 
         return receive
+
+    def _read(self, response: http.client.HTTPResponse, most: int) -> bytes:
+        """The body as it arrives (``read1``: whatever came), refused past ``most`` bytes or past the connection's
+        timeout in all: a peer that drips its answer a byte at a time is not waited on for ever."""
+        deadline = time.monotonic() + self.timeout
+        parts, size = [], 0
+        while part := response.read1(min(1 << 20, most + 1 - size)):
+            size += len(part)
+            if size > most:
+                raise PeerError(f"{self.where} sent a step's answer over {most} bytes")
+            if time.monotonic() > deadline:
+                raise PeerError(f"{self.where} did not finish a step's answer in {self.timeout:.0f}s")
+            parts.append(part)
+        return b"".join(parts)
 
     def _failed(self, exc: OSError | http.client.HTTPException) -> PeerError:
         """Close the connection; the error to raise for ``exc``."""
