@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -852,3 +853,29 @@ def test_a_relay_step_costs_one_round_trip_per_batch(pki, branch_files: dict[str
         steps = outcome.steps[name]
         assert steps >= 40, steps  # so that two round trips per batch could not fit under the bound below
         assert peer.round_trips <= steps + 8 * epochs + 8, (name, peer.round_trips, steps)
+
+
+def test_the_configurations_report_shows_each_run_on_its_tasks_objective(tmp_path: Path) -> None:
+    """A multiclass run is shown by its log-loss, a regression run by its MSE, a binary one by its ROC-AUC (the
+    metric its best epoch was chosen on), in the table and the learning curves; not a blank ROC-AUC."""
+    from bank.lab.report.config_report import configuration_curves, configuration_table
+
+    runs = []
+    for name, objective, test in (("binary", "roc_auc", {"roc_auc": 0.9, "accuracy": 0.8}),
+                                  ("multiclass", "log_loss", {"accuracy": 0.6, "log_loss": 1.1}),
+                                  ("regression", None, {"mse": 4.0, "r2": 0.3})):  # None: written before it was kept
+        folder = tmp_path / name
+        folder.mkdir()
+        metrics = {"configuration": "u-shaped", "test": test, "best_epoch": 1, "epochs_run": 2,
+                   "mean_epoch_seconds": 0.1, "communication": {}}
+        if objective:
+            metrics["objective"] = objective
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        pd.DataFrame({"epoch": [1, 2], "train_loss": [1.0, 0.9], **{f"val_{m}": [v, v] for m, v in test.items()}}
+                     ).to_csv(folder / "history.csv", index=False)
+        runs.append(folder)
+    table = configuration_table(runs, tmp_path).set_index("run")
+    assert table.loc["binary", "test_roc_auc"] == 0.9 and table.loc["multiclass", "test_log_loss"] == 1.1
+    assert table.loc["regression", "test_mse"] == 4.0
+    figure = configuration_curves(runs[1:2], tmp_path)
+    assert figure.axes[1].get_title() == "validation log_loss"

@@ -103,6 +103,7 @@ def write_configuration_run(
     metrics = {
         "configuration": settings.configuration,
         "test": test,
+        "objective": book.metric,  # the validation metric the best epoch was chosen on
         "best_epoch": book.best_epoch,
         "epochs_run": len(book.history),
         "mean_epoch_seconds": float(np.mean(epoch_seconds)) if epoch_seconds else 0.0,

@@ -42,14 +42,16 @@ def _label(folder: Path, root: Path) -> str:
 
 
 def configuration_table(runs: list[Path], root: Path) -> pd.DataFrame:
-    """Per run: its configuration, test ROC-AUC, best epoch, mean epoch seconds, and what crossed the wire."""
+    """Per run: its configuration, its test figure on the task's objective (ROC-AUC for a binary task), best epoch,
+    mean epoch seconds, and what crossed the wire."""
     rows = []
     for folder in runs:
         m = json.loads((folder / "metrics.json").read_text())
         traffic = m.get("communication", {}).values()
+        objective = _objective(m)
         rows.append({
             "configuration": m["configuration"], "run": _label(folder, root),
-            "test_roc_auc": m.get("test", {}).get("roc_auc"), "best_epoch": m.get("best_epoch"),
+            f"test_{objective}": m.get("test", {}).get(objective), "best_epoch": m.get("best_epoch"),
             "epochs_run": m.get("epochs_run"), "mean_epoch_seconds": m.get("mean_epoch_seconds"),
             "round_trips": sum(c.get("round_trips", 0) for c in traffic),
             "bytes": sum(c.get("bytes_sent", 0) + c.get("bytes_received", 0) for c in traffic),
@@ -58,16 +60,24 @@ def configuration_table(runs: list[Path], root: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _objective(metrics: dict) -> str:
+    """The metric a run chose its best epoch on (a run written before it was recorded: its task's, as its test
+    metrics show it: ROC-AUC, log-loss or MSE)."""
+    test = metrics.get("test", {})
+    return str(metrics.get("objective") or next((m for m in ("roc_auc", "log_loss", "mse") if m in test), "roc_auc"))
+
+
 def configuration_curves(runs: list[Path], root: Path) -> Figure:
     """Training loss and the validation objective (ROC-AUC for a binary task) per epoch, one line per run (its ``history.csv``)."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for folder in runs:
         history = pd.read_csv(folder / "history.csv")
-        configuration = json.loads((folder / "metrics.json").read_text())["configuration"]
+        metrics = json.loads((folder / "metrics.json").read_text())
+        configuration = metrics["configuration"]
         name = _label(folder, root)
         label = configuration if name == configuration else f"{configuration} ({name})"
         ax1.plot(history["epoch"], history["train_loss"], marker="o", label=label)
-        metric = next(c for c in history.columns if c.startswith("val_"))  # the task's first: val_roc_auc
+        metric = f"val_{_objective(metrics)}"
         ax2.plot(history["epoch"], history[metric], marker="o", label=label)
     ax1.set(title="training loss", xlabel="epoch", ylabel="loss")
     ax2.set(title=f"validation {metric.removeprefix('val_')}", xlabel="epoch")
