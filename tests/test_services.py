@@ -167,7 +167,8 @@ def test_the_bank_checks_whom_it_reached(pki, partition, start_partner, start_ba
 
 
 class Recorder:
-    """Keeps every body that crosses between the bank and the partner."""
+    """Keeps every body that crosses between the bank and the partner: each request (an httpx hook) and each
+    answer as the bank's client read it off the wire (``PeerLink.once``; a hook must not read an answer first)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
@@ -175,9 +176,16 @@ class Recorder:
     def request(self, request: httpx.Request) -> None:
         self.bodies.append(request.content)
 
-    def response(self, response: httpx.Response) -> None:
-        response.read()
-        self.bodies.append(response.content)
+    def partner(self, name: str, url: str, client: httpx.Client) -> HttpPartner:
+        bodies = self.bodies
+
+        class Recorded(HttpPartner):
+            def once(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                content = super().once(*args, **kwargs)
+                bodies.append(content)
+                return content
+
+        return Recorded(name, url, client)
 
 
 def test_only_blinded_values_cross_the_wire(pki, partition, start_partner) -> None:
@@ -187,9 +195,9 @@ def test_only_blinded_values_cross_the_wire(pki, partition, start_partner) -> No
     table = load_party_table(partition["bank"], "customer_id", "y")
     recorder = Recorder()
     client = make_client(TLSFiles.from_dir(pki, "bank"), caller=PeerIdentity("bank", "bank"))
-    client.event_hooks = {"request": [recorder.request], "response": [recorder.response]}
+    client.event_hooks = {"request": [recorder.request]}
     with client, WorkerPool(1) as pool:
-        alignment, _ = align_with_partners(table, {"partner": HttpPartner("partner", partner.url, client)}, pool)
+        alignment, _ = align_with_partners(table, {"partner": recorder.partner("partner", partner.url, client)}, pool)
     wire = b"".join(recorder.bodies)
     partner_ids = ids(partition["partner1"])
     hashed = curve.hash_to_curve([curve.normalize_id(i) for i in table.ids[:300]])
