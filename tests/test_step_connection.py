@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,15 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers.append((b"connection", b"close"))
     caller = dict(scope["headers"]).get(CALLER_HEADER.encode(), b"")
     answer = b"%d:" % scope["client"][1] + (caller + b":" if caller else b"") + body
+    if scope["path"] == "/sized":  # as a step's answer is sent: its length announced, not chunked
+        headers.append((b"content-length", str(len(answer)).encode()))
+    if scope["path"] == "/drip":  # a peer that sends its answer a byte at a time, each within any read timeout
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"20")]})
+        for _ in range(20):
+            await asyncio.sleep(0.2)
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
     await send({"type": "http.response.start", "status": 201, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
 
@@ -48,12 +59,15 @@ def _connection(pki: Path, url: str, expect: PeerIdentity = PARTNER) -> StepConn
     return StepConnection(url, TLSFiles.from_dir(pki, "bank"), expect=expect, caller=BANK)
 
 
-def test_requests_share_one_connection_and_bodies_arrive_whole(server: ServerThread, pki: Path) -> None:
+@pytest.mark.parametrize("path", ["/echo", "/sized"], ids=["chunked", "content-length"])
+def test_requests_share_one_connection_and_bodies_arrive_whole(server: ServerThread, pki: Path, path: str) -> None:
+    """Kept alive whichever way the answer is framed: an answer read to its announced end leaves the connection
+    for the next step (a new TLS handshake per step cost a split step three times the unsplit one's time)."""
     with _connection(pki, server.url) as steps:
         big = bytes(range(256)) * 1024  # several TLS records each way
         ports = set()
         for _ in range(3):
-            status, content = steps.post("/echo", big, "application/octet-stream")
+            status, content = steps.post(path, big, "application/octet-stream")
             port, _, body = content.partition(b":")
             assert status == 201 and body == big
             ports.add(port)
@@ -162,3 +176,19 @@ def test_an_answer_is_freed_when_dropped(server: ServerThread, pki: Path) -> Non
             gc.set_debug(0)
             gc.garbage.clear()
     assert cyclic == []
+
+
+def test_an_answer_is_held_to_the_size_asked_and_to_the_timeout_in_all(server: ServerThread, pki: Path) -> None:
+    """A step's answer larger than the step can have is refused; one dripped a byte at a time (each read well
+    within the timeout) is refused once the timeout has passed in all, not waited on for ever."""
+    with _connection(pki, server.url) as steps:
+        with pytest.raises(PeerError, match="announced 25 bytes for a step's answer; at most 10"):
+            steps.send("/sized", b"more than ten bytes", "text/plain", 10)()
+        with pytest.raises(PeerError, match="over 10 bytes"):  # not announced (chunked): counted as it comes
+            steps.send("/echo", b"more than ten bytes", "text/plain", 10)()
+    steps = StepConnection(server.url, TLSFiles.from_dir(pki, "bank"), expect=PARTNER, caller=BANK, timeout=1.0)
+    with steps:
+        started = time.monotonic()
+        with pytest.raises(PeerError, match="did not finish a step's answer in 1s"):
+            steps.post("/drip", b"", "text/plain")
+        assert time.monotonic() - started < 2.5  # the drip would take 4 s

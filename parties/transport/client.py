@@ -193,6 +193,7 @@ class StepConnection:
             if time.monotonic() > deadline:
                 raise PeerError(f"{self.where} did not finish a step's answer in {self.timeout:.0f}s")
             parts.append(part)
+        response.read(0)  # marks a fully read answer done (read1 does not), so the connection is kept for the next
         return b"".join(parts)
 
     def _failed(self, exc: OSError | http.client.HTTPException) -> PeerError:
