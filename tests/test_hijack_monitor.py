@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from bank.config import TrainingConfig
-from bank.lab.studies.hijack import HONEST, StudyConfig, _slice, monitor_cost, run_hijack_study, summarise, wilson
+from bank.lab.attacks import hijackers
 from bank.lab.attacks.hijackers import Attacker, HijackingBank
+from bank.lab.studies.hijack import HONEST, StudyConfig, _slice, monitor_cost, run_hijack_study, summarise, wilson
 from bank.lab.studies.privacy import PARTNER_BOTTOM
 from data.prepare import prepare_bank_marketing
 from parties.errors import CutlayerError, HijackSuspected
@@ -129,6 +130,21 @@ ADAPTIVE = [Attacker("noise", "noise", 2.0), Attacker("mix", "mix", 0.5), Attack
 def test_the_rank_test_stops_a_hijacking_bank_that_knows_the_monitor(small, attacker: Attacker) -> None:
     with pytest.raises(HijackSuspected, match="hijack suspected"):
         _train(small, attacker, MonitorConfig(watch=True), steps=150)  # the others stop by step 40
+
+
+def test_a_pretrained_pilot_is_reused_to_the_bit(small, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study's banks share their pretraining: a bank that takes it from the cache ends where one that
+    pretrained ends, decoder and reconstruction error alike."""
+    monkeypatch.setattr(hijackers, "_PRETRAINED", {})
+    fresh = _train(small, Attacker("FSHA", "fsha"), MonitorConfig(), steps=12)
+    assert len(hijackers._PRETRAINED) == 1
+    cached = _train(small, Attacker("FSHA", "fsha"), MonitorConfig(), steps=12)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.answered, cached.answered))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.decoder.state_dict().values(),
+                                                  cached.decoder.state_dict().values()))
+    assert fresh.reconstruction_error(5) == cached.reconstruction_error(5)
+    other = _train(small, Attacker("FSHA", "fsha"), MonitorConfig(), steps=12, seed=1)  # another seed pretrains
+    assert len(hijackers._PRETRAINED) == 2 and not torch.equal(other.answered[0], fresh.answered[0])
 
 
 @pytest.mark.parametrize("seed", [0, 1])

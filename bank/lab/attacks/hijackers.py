@@ -50,6 +50,7 @@ left (1.0: no better than the mean).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -71,6 +72,10 @@ Kind = Literal["honest", "fsha", "noise", "mix", "probe-aware", "one-direction",
 
 #: Autoencoder updates of pilot and decoder before training starts (lr 1e-3; 1e-4 during training).
 PRETRAIN_STEPS = 2000
+
+#: Pretrained (pilot, decoder, generator state) by (auxiliary rows, partner bottom, seed, frozen): a study runs
+#: every bank on the same seeds, and pretraining is most of a short run's time.
+_PRETRAINED: dict[tuple[str, str, int, bool], tuple[dict, dict, torch.Tensor]] = {}
 
 #: The MMD critic's kernel widths (the embeddings are ReLU outputs of unit-scale features).
 WIDTHS = (0.1, 0.3, 1.0, 3.0, 10.0)
@@ -134,9 +139,21 @@ class HijackingBank:
         # Freezing keeps the partner at its initial weights: the pilot is them, and only the decoder learns.
         frozen = self.attacker.kind == "freeze"
         params = [*([] if frozen else self.pilot.parameters()), *self.decoder.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=1e-3)
-        for _ in range(PRETRAIN_STEPS):  # before the session: the bank has the auxiliary rows already
-            self._pilot_step(256)
+        key = (hashlib.sha256(self.aux.numpy().tobytes()).hexdigest(), self.partner_bottom.model_dump_json(),
+               self.seed, frozen)
+        if key in _PRETRAINED:  # the same rows, weights and seed pretrain to the same pilot and decoder
+            pilot, decoder, generator = _PRETRAINED[key]
+            self.pilot.load_state_dict(pilot)
+            self.decoder.load_state_dict(decoder)
+            self.generator.set_state(generator)
+        else:
+            self.optimizer = torch.optim.Adam(params, lr=1e-3)
+            for _ in range(PRETRAIN_STEPS):  # before the session: the bank has the auxiliary rows already
+                self._pilot_step(256)
+            _PRETRAINED[key] = (_copy(self.pilot.state_dict()), _copy(self.decoder.state_dict()),
+                                self.generator.get_state())
+            while len(_PRETRAINED) > 8:
+                _PRETRAINED.pop(next(iter(_PRETRAINED)))
         self.optimizer = torch.optim.Adam(params, lr=1e-4)
         self._ready = True
 
@@ -282,6 +299,10 @@ class HijackingBank:
         with torch.no_grad():
             residual = (self.decoder(z) - x).square().sum()
         return float(residual / (x - x.mean(0)).square().sum())
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in state.items()}
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
