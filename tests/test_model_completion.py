@@ -104,6 +104,7 @@ def test_the_baseline_is_a_fresh_bottom_fine_tuned_on_the_same_known_rows(
         return completion_scores(bottom, features, known, labels, **kw)
 
     monkeypatch.setattr(audit, "completion_scores", recording)
+    monkeypatch.setattr(audit, "_FROM_SCRATCH", {})
     completion_leakage(trained, CONFIG, x, y, known=40, draws=2, seed=7)
     assert len(calls) == 4
     fresh = build_bottom(x.shape[1], CONFIG).state_dict()
@@ -114,6 +115,25 @@ def test_the_baseline_is_a_fresh_bottom_fine_tuned_on_the_same_known_rows(
         assert attack[3] == baseline[3]
     assert not np.array_equal(calls[0][1], calls[2][1])  # each draw its own known rows
     assert [c[3] for c in calls] == [7, 7, 8, 8]
+
+
+def test_a_studys_settings_share_the_baseline_and_it_is_the_one_computed_afresh(
+        synthetic: tuple[np.ndarray, np.ndarray], trained: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = synthetic
+    monkeypatch.setattr(audit, "_FROM_SCRATCH", {})
+    fresh = build_bottom(x.shape[1], CONFIG)
+    first = completion_leakage(trained, CONFIG, x, y, known=30, draws=2, seed=3)
+    assert len(audit._FROM_SCRATCH) == 2
+    calls = []
+    monkeypatch.setattr(audit, "completion_scores", lambda *a, **kw: calls.append(a[0]) or completion_scores(*a, **kw))
+    other = completion_leakage(fresh, CONFIG, x, y, known=30, draws=2, seed=3)  # another setting's bottom
+    assert len(calls) == 2 and all(b is fresh for b in calls)  # only the attack ran again
+    assert other["from_scratch_leak_auc"] == first["from_scratch_leak_auc"]
+    assert other["model_completion_leak_auc"] == pytest.approx(first["from_scratch_leak_auc"])  # fresh is the baseline
+    monkeypatch.setattr(audit, "_FROM_SCRATCH", {})
+    assert completion_leakage(trained, CONFIG, x, y, known=30, draws=2, seed=3) == first
+    flipped = completion_leakage(trained, CONFIG, x, 1 - y, known=30, draws=2, seed=3)  # other labels: recomputed
+    assert len(audit._FROM_SCRATCH) == 4 and flipped != first
 
 
 def test_the_same_seed_gives_the_same_leak_and_another_seed_other_rows(
