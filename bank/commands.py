@@ -31,16 +31,18 @@ __all__ = [
 
 
 def serve(args: argparse.Namespace) -> int:
-    from alignment.parallel import start_fork_server
-    from bank.service.app import create_app
     from bank.settings import BankSettings
     from parties.cli import apply_process_settings, service_settings
-    from parties.transport.server import serve as serve_app
 
+    # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, BankSettings)
     assert isinstance(settings, BankSettings)
-    apply_process_settings(settings.torch_threads, settings.cpus)
     table = settings.load_table()
+    apply_process_settings(settings.torch_threads, settings.cpus)
+    from alignment.parallel import start_fork_server
+    from bank.service.app import create_app
+    from parties.transport.server import serve as serve_app
+
     start_fork_server(settings.workers)
     serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0

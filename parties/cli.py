@@ -102,15 +102,15 @@ def service_settings(args: argparse.Namespace, settings: type[ServiceSettings]) 
 
 
 def apply_process_settings(threads: int, cpus: tuple[int, ...] | None) -> None:
-    """Torch's intra-op threads and, if asked, the CPUs this process may run on."""
+    """If asked, the CPUs this process may run on (checked first: a refusal need not wait for torch); then
+    torch's intra-op threads."""
+    if cpus is not None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise ConfigError("--cpus needs Linux (this system cannot pin a process to CPUs)")
+        try:
+            os.sched_setaffinity(0, set(cpus))
+        except OSError as exc:
+            raise ConfigError(f"--cpus {','.join(map(str, cpus))}: this machine cannot run on those CPUs ({exc})") from exc
     import torch
 
     torch.set_num_threads(threads)
-    if cpus is None:
-        return
-    if not hasattr(os, "sched_setaffinity"):
-        raise ConfigError("--cpus needs Linux (this system cannot pin a process to CPUs)")
-    try:
-        os.sched_setaffinity(0, set(cpus))
-    except OSError as exc:
-        raise ConfigError(f"--cpus {','.join(map(str, cpus))}: this machine cannot run on those CPUs ({exc})") from exc

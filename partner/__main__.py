@@ -38,17 +38,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    # Imported here, not at the top: --help and a mistyped flag need none of torch, pandas or FastAPI.
-    from alignment.parallel import start_fork_server
     from parties.cli import apply_process_settings, service_settings
-    from parties.transport.server import serve as serve_app
-    from partner.service import create_app
     from partner.settings import PartnerSettings
 
+    # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, PartnerSettings)
     assert isinstance(settings, PartnerSettings)
-    apply_process_settings(settings.torch_threads, settings.cpus)
     table = settings.load_table()
+    apply_process_settings(settings.torch_threads, settings.cpus)
+    from alignment.parallel import start_fork_server
+    from parties.transport.server import serve as serve_app
+    from partner.service import create_app
+
     start_fork_server(settings.workers)
     serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
     return 0
@@ -56,14 +57,15 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_layers(args: argparse.Namespace) -> int:
     from parties.cli import apply_process_settings, service_settings
-    from parties.transport.server import serve as serve_app
-    from partner.layer_service import create_layer_app
     from partner.settings import BranchSettings, ComputeSettings
 
     settings = service_settings(args, ComputeSettings if args.command == "compute" else BranchSettings)
     assert isinstance(settings, (ComputeSettings, BranchSettings))
+    table = settings.load_table() if settings.data is not None else None  # before torch: a refusal is quick
     apply_process_settings(settings.torch_threads, settings.cpus)
-    table = settings.load_table() if settings.data is not None else None
+    from parties.transport.server import serve as serve_app
+    from partner.layer_service import create_layer_app
+
     serve_app(create_layer_app(settings, table), settings.tls_files(), settings.host, settings.port,
               settings.ready_file)
     return 0

@@ -266,3 +266,22 @@ def test_the_walkthrough_refuses_the_rank_test_beside_bank_gradient_noise(
         "error: --hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense marvell): the rank "
         "test reads that noise as a hijack. Protect labels with --label-dp-epsilon alongside it (see "
         "docs/explanation/privacy.md)"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["partner", "serve", "--name", "p", "--insecure", "--host", "0.0.0.0"],
+    ["bank", "serve", "--name", "b", "--label", "y", "--insecure"],
+    ["partner", "branch", "--name", "p", "--bank", "b", "--insecure", "--host", "0.0.0.0"],
+], ids=["partner-insecure-host", "bank-no-label", "branch-insecure-host"])
+def test_a_service_refused_at_start_never_imported_torch(argv: list[str], tmp_path: Path) -> None:
+    """Settings and the table are checked first: a refusal takes a second, not the seconds torch takes to load."""
+    data = tmp_path / "p.csv"
+    data.write_text("customer_id,a\n1,2\n")
+    prog, command, *flags = argv
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", prog, command, "--data", str(data), *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    refusal = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert refusal and ("loopback" in refusal[0] or "no label column 'y'" in refusal[0])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "fastapi" not in imported
