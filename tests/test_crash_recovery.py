@@ -197,7 +197,7 @@ def test_the_bank_killed_mid_training_resumes_to_the_bit_identical_model(
 
     tls = TLSFiles.from_dir(pki, "bank")
     # The default checkpoints at epoch ends only: the resume starts at a flush, then validates and marks the best.
-    config = TrainingConfig(epochs=12, batch_size=64, checkpoint_every=every, patience=50, restore_best=False)
+    config = TrainingConfig(epochs=8, batch_size=64, checkpoint_every=every, patience=50, restore_best=False)
     bank = start_bank(1)
     try:
         with BankOperator(bank.url, tls) as op:
