@@ -44,6 +44,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "http.response.body", "body": b"x", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
+    if scope["path"] == "/cut":  # a peer that dies mid-answer: a quarter of what it announced, then closed
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"20")]})
+        await send({"type": "http.response.body", "body": b"12345", "more_body": True})
+        raise RuntimeError("the process died here")
     await send({"type": "http.response.start", "status": 201, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
 
@@ -192,3 +196,12 @@ def test_an_answer_is_held_to_the_size_asked_and_to_the_timeout_in_all(server: S
         with pytest.raises(PeerError, match="did not finish a step's answer in 1s"):
             steps.post("/drip", b"", "text/plain")
         assert time.monotonic() - started < 2.5  # the drip would take 4 s
+
+
+def test_an_answer_cut_short_is_the_peer_unavailable_not_a_short_body(server: ServerThread, pki: Path) -> None:
+    """A partner killed while it answers: the bank must see a peer that went away (and retry), never five
+    bytes taken for the whole answer (then refused as a malformed message, which ends the training)."""
+    with _connection(pki, server.url) as steps:
+        with pytest.raises(PeerUnavailable, match="did not answer"):
+            steps.post("/cut", b"", "text/plain")
+        assert steps.post("/sized", b"after", "text/plain")[1].endswith(b":after")  # a new connection serves
