@@ -122,3 +122,19 @@ def threads() -> Iterator[ThreadPoolExecutor]:
     """Threads for a PSI responder called in process."""
     with ThreadPoolExecutor(4) as t:
         yield t
+
+
+@pytest.fixture(autouse=True)
+def _no_stream_handler_left() -> Iterator[None]:
+    """A command run in process (``main([...])``) puts a stream handler on the root logger, onto the test's
+    captured stderr; take it off after the test, so later tests do not log into a closed stream
+    ("--- Logging error ---"). pytest's own handlers (subclasses) are pytest's to manage."""
+    import logging
+
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
