@@ -32,13 +32,14 @@ __all__ = [
 
 def serve(args: argparse.Namespace) -> int:
     from bank.settings import BankSettings
-    from parties.cli import apply_process_settings, service_settings
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, BankSettings)
     assert isinstance(settings, BankSettings)
+    pin_cpus(settings.cpus)
     table = settings.load_table()
-    apply_process_settings(settings.torch_threads, settings.cpus)
+    set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server
     from bank.service.app import create_app
     from parties.transport.server import serve as serve_app

@@ -20,13 +20,14 @@ if TYPE_CHECKING:
 __all__ = [
     "add_log_level",
     "add_service_arguments",
-    "apply_process_settings",
     "command",
     "configure_logging",
     "description",
     "number",
+    "pin_cpus",
     "run_cli",
     "service_settings",
+    "set_torch_threads",
     "show",
 ]
 
@@ -101,16 +102,21 @@ def service_settings(args: argparse.Namespace, settings: type[ServiceSettings]) 
     return load_settings(settings, **flag_values(args, settings))
 
 
-def apply_process_settings(threads: int, cpus: tuple[int, ...] | None) -> None:
-    """If asked, the CPUs this process may run on (checked first: a refusal need not wait for torch); then
-    torch's intra-op threads."""
-    if cpus is not None:
-        if not hasattr(os, "sched_setaffinity"):
-            raise ConfigError("--cpus needs Linux (this system cannot pin a process to CPUs)")
-        try:
-            os.sched_setaffinity(0, set(cpus))
-        except OSError as exc:
-            raise ConfigError(f"--cpus {','.join(map(str, cpus))}: this machine cannot run on those CPUs ({exc})") from exc
+def pin_cpus(cpus: tuple[int, ...] | None) -> None:
+    """If asked, the CPUs this process may run on. Called before anything starts a thread (a Parquet table's
+    reader does): Linux pins the calling thread, and only threads started after it inherit the pinning."""
+    if cpus is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("--cpus needs Linux (this system cannot pin a process to CPUs)")
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as exc:
+        raise ConfigError(f"--cpus {','.join(map(str, cpus))}: this machine cannot run on those CPUs ({exc})") from exc
+
+
+def set_torch_threads(threads: int) -> None:
+    """Torch's intra-op threads (importing torch: seconds, so after every setting is checked)."""
     import torch
 
     torch.set_num_threads(threads)

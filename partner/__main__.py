@@ -38,14 +38,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from parties.cli import apply_process_settings, service_settings
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
     from partner.settings import PartnerSettings
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, PartnerSettings)
     assert isinstance(settings, PartnerSettings)
+    pin_cpus(settings.cpus)
     table = settings.load_table()
-    apply_process_settings(settings.torch_threads, settings.cpus)
+    set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server
     from parties.transport.server import serve as serve_app
     from partner.service import create_app
@@ -56,13 +57,14 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_layers(args: argparse.Namespace) -> int:
-    from parties.cli import apply_process_settings, service_settings
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
     from partner.settings import BranchSettings, ComputeSettings
 
     settings = service_settings(args, ComputeSettings if args.command == "compute" else BranchSettings)
     assert isinstance(settings, (ComputeSettings, BranchSettings))
+    pin_cpus(settings.cpus)
     table = settings.load_table() if settings.data is not None else None  # before torch: a refusal is quick
-    apply_process_settings(settings.torch_threads, settings.cpus)
+    set_torch_threads(settings.torch_threads)
     from parties.transport.server import serve as serve_app
     from partner.layer_service import create_layer_app
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,22 @@ def test_serve_cli_refuses_cpus_it_cannot_use(write_csv, cpus: str, message: str
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_serve_pins_its_cpus_before_reading_the_table(write_csv, tmp_path: Path) -> None:
+    """Linux pins the calling thread only: a table reader that starts threads (Parquet's) before the pinning
+    would leave them on every CPU. The table is read with the process already pinned."""
+    path = write_csv("p.csv", customer_id=["1"], a=["1"])
+    script = (
+        "import os, sys\n"
+        "import partner.__main__ as cli, partner.settings as s\n"
+        "def load_table(self):\n"
+        "    print('cpus while reading', sorted(os.sched_getaffinity(0)), flush=True)\n"
+        "    raise SystemExit(0)\n"
+        "s.PartnerSettings.load_table = load_table\n"
+        "cli.main(sys.argv[1:])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, "serve", "--name", "partner", "--data", str(path),
+                             "--insecure", "--cpus", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert "cpus while reading [0]" in result.stdout, result.stderr[-2000:]

@@ -194,7 +194,7 @@ class StepConnection:
                 raise PeerError(f"{self.where} did not finish a step's answer in {self.timeout:.0f}s")
             parts.append(part)
         if response.length:  # read1 ends quietly when the peer closes mid-answer: a cut body, not an answer
-            raise http.client.IncompleteRead(b"".join(parts), response.length)
+            raise http.client.IncompleteRead(b"", response.length)  # what came is dropped, not carried along
         response.read(0)  # marks a fully read answer done (read1 does not), so the connection is kept for the next
         return b"".join(parts)
 

@@ -75,7 +75,7 @@ PRETRAIN_STEPS = 2000
 
 #: Pretrained (pilot, decoder, generator state) by (auxiliary rows, partner bottom, seed, frozen): a study runs
 #: every bank on the same seeds, and pretraining is most of a short run's time.
-_PRETRAINED: dict[tuple[str, str, int, bool], tuple[dict, dict, torch.Tensor]] = {}
+_PRETRAINED: dict[tuple[str, tuple[int, ...], str, int, bool, int], tuple[dict, dict, torch.Tensor]] = {}
 
 #: The MMD critic's kernel widths (the embeddings are ReLU outputs of unit-scale features).
 WIDTHS = (0.1, 0.3, 1.0, 3.0, 10.0)
@@ -139,8 +139,8 @@ class HijackingBank:
         # Freezing keeps the partner at its initial weights: the pilot is them, and only the decoder learns.
         frozen = self.attacker.kind == "freeze"
         params = [*([] if frozen else self.pilot.parameters()), *self.decoder.parameters()]
-        key = (hashlib.sha256(self.aux.numpy().tobytes()).hexdigest(), self.partner_bottom.model_dump_json(),
-               self.seed, frozen)
+        key = (hashlib.sha256(self.aux.numpy().tobytes()).hexdigest(), tuple(self.aux.shape),
+               self.partner_bottom.model_dump_json(), self.seed, frozen, PRETRAIN_STEPS)
         if key in _PRETRAINED:  # the same rows, weights and seed pretrain to the same pilot and decoder
             pilot, decoder, generator = _PRETRAINED[key]
             self.pilot.load_state_dict(pilot)
