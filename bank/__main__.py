@@ -14,6 +14,7 @@ from bank import commands
 from bank.config import TopConfig, TrainingConfig
 from bank.configurations.commands import add_configuration_commands
 from bank.configurations.split_run import ConfigurationSettings
+from bank.settings import BankSettings, share
 from data.uci import CACHE_HELP
 from parties.cli import (
     add_log_level,
@@ -25,7 +26,6 @@ from parties.cli import (
 )
 from parties.flags import add_flags
 from parties.learning.config import BottomConfig, PartnerDefenses
-from bank.settings import BankSettings, share
 
 
 def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +62,8 @@ WALKTHROUGH_TRAINING = ("epochs", "max_steps", "audit", "wire_precision", "local
 WALKTHROUGH_DEFENSES = ("label_dp_epsilon", "gradient_defense", "gradient_noise", "marvell_power", "marvell_persistence")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bank", description=description(__doc__))
+def build_parser(prog: str = "python -m bank") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = command(sub, "serve", "serve the bank's coordinator endpoints", handler=commands.serve)
@@ -162,12 +162,12 @@ LAB_COMMANDS = frozenset({"report", "subset-study", "privacy-study", "hijack-stu
                           "scale-bench", "config-bench"})
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bank") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in LAB_COMMANDS:
         print(f"error: {argv[0]} is a lab command: python -m bank.lab {argv[0]} ...", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     configure_logging(args.log_level)
     return args.handler(args)
 

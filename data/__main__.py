@@ -23,8 +23,8 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m data", description=description(__doc__))
+def build_parser(prog: str = "python -m data") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     fetch = command(sub, "fetch", "put a verified bank-full.csv into the data cache", handler=_fetch_command)
@@ -181,7 +181,13 @@ def _branches_command(args: argparse.Namespace) -> int:
 
 
 def _partition_command(args: argparse.Namespace) -> int:
-    from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
+    from data.partition import (
+        PartitionSpec,
+        PartySpec,
+        partition,
+        read_source_csv,
+        write_partition,
+    )
 
     if not args.party:
         raise ConfigError("give at least one --party NAME=COL,COL")
@@ -209,8 +215,8 @@ def _print_paths(paths: dict[str, Path]) -> None:
         print(f"{name}: {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m data") -> int:
+    args = build_parser(prog).parse_args(argv)
     configure_logging(getattr(args, "log_level", "INFO"))
     return args.handler(args)
 

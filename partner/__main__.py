@@ -6,17 +6,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parties.cli import add_service_arguments, command, configure_logging, description, run_cli
+from parties.cli import (
+    add_service_arguments,
+    command,
+    configure_logging,
+    description,
+    run_cli,
+)
 
 #: A compute party holds no table: none of a table's settings.
 _TABLE = ("data", "id_column", "id_type", "schema_file", "categorical", "numeric")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m partner") -> argparse.ArgumentParser:
     # The settings classes state every flag (parties.flags); they import neither torch nor pandas.
     from partner.settings import BranchSettings, ComputeSettings, PartnerSettings
 
-    parser = argparse.ArgumentParser(prog="python -m partner", description=description(__doc__))
+    parser = argparse.ArgumentParser(prog=prog, description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     s = command(sub, "serve", "serve the partner's endpoints", handler=serve)
     add_service_arguments(s, PartnerSettings)
@@ -31,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m partner") -> int:
+    args = build_parser(prog).parse_args(argv)
     configure_logging(args.log_level)
     return args.handler(args)
 

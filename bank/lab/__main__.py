@@ -13,7 +13,14 @@ from pathlib import Path
 from bank.config import TrainingConfig
 from bank.lab import commands as lab_commands
 from data.uci import CACHE_HELP
-from parties.cli import add_log_level, command, configure_logging, description, number, run_cli
+from parties.cli import (
+    add_log_level,
+    command,
+    configure_logging,
+    description,
+    number,
+    run_cli,
+)
 from parties.flags import add_flags
 
 
@@ -54,8 +61,8 @@ def _congestion(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bank.lab", description=description(__doc__))
+def build_parser(prog: str = "python -m bank.lab") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     r = command(sub, "report", "write a run's analysis (tables as CSV, figures as PNG) without the notebook",
@@ -179,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m bank.lab") -> int:
+    args = build_parser(prog).parse_args(argv)
     configure_logging(args.log_level)
     return args.handler(args)
 
