@@ -17,10 +17,11 @@ from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from data.uci import locate_bank_full
 from parties.protocol.control import JobStatus
-from parties.storage.layout import model_folder
 from parties.storage.files import atomic_write_text
+from parties.storage.layout import model_folder
+from parties.transport.pki import write_dev_pki
 from parties.transport.process import ServiceProcess
-from parties.transport.tls import TLSFiles, write_dev_pki
+from parties.transport.tls import TLSFiles
 
 __all__ = ["WalkthroughConfig", "run_walkthrough"]
 

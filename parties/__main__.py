@@ -1,5 +1,6 @@
-"""python -m parties: what every party shares on the command line (certs: a development CA and one
-certificate per party; verify-log: check a session log's hash chain and sum it up)."""
+"""python -m parties: what every party shares on the command line (pki: each party's key and certificate
+request, a CA that signs and revokes; certs: a development CA and every party's certificate in one folder;
+verify-log: check a session log's hash chain and sum it up)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from pathlib import Path
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError, LogTampered
 from parties.storage.session_log import verify_log
-from parties.transport.tls import DEFAULT_HOSTS, write_dev_pki
+from parties.storage.files import atomic_write_bytes
+from parties.transport import pki
+from parties.transport.tls import DEFAULT_HOSTS, ROLES
 
 #: The integer fields a summary line adds up: what a PSI session's peer declared, sent, and what came of it.
 SUMMED = ("declared", "received", "result")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m parties", description=description(__doc__))
+def build_parser(prog: str = "python -m parties") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     certs = command(sub, "certs", "create a development CA and party certificates", handler=_certs_command)
     certs.add_argument("--out", type=Path, required=True, help="folder for ca.pem and NAME.pem/NAME.key")
@@ -28,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--host", action="append", default=None,
                        help=f"a host name or IP the services answer on (default: {', '.join(DEFAULT_HOSTS)})")
     certs.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default %(default)s)")
+
+    _pki_parser(command(sub, "pki", "certificates where each organisation keeps its own key: request, ca, sign, "
+                                "revoke, bundle, show"))
 
     verify = command(sub, "verify-log", "check a session log's hash chain and count its sessions per peer and event",
                      handler=_verify_log_command)
@@ -40,8 +46,91 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _pki_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="pki_command", required=True)
+    r = command(sub, "request", "make this party's key (0600, never copied) and a signing request to send its CA",
+                handler=_pki_request)
+    r.add_argument("--name", required=True, help="this party's name (the certificate's CN)")
+    r.add_argument("--role", required=True, choices=ROLES, help="its role (the certificate's OU)")
+    r.add_argument("--out", type=Path, required=True, help="the party's own folder: NAME.key and NAME.csr go here")
+    r.add_argument("--host", action="append", default=None,
+                   help=f"a host name or IP the service answers on; repeat (default: {', '.join(DEFAULT_HOSTS)})")
+    r.add_argument("--organisation", default=None, help="the organisation (O) in the request, e.g. 'Telco plc'")
+
+    c = command(sub, "ca", "make a CA: ca.pem for every party that trusts it, ca.key (0600) to keep", handler=_pki_ca)
+    c.add_argument("--out", type=Path, required=True, help="the CA's folder")
+    c.add_argument("--name", required=True, help="the CA's name, e.g. 'Bank CA' (distinct per organisation)")
+    c.add_argument("--days", type=int, default=1825, help="how long the CA is valid (default %(default)s)")
+
+    s = command(sub, "sign", "sign a party's request with a CA: the certificate to send back", handler=_pki_sign)
+    s.add_argument("csr", type=Path, metavar="CSR", help="the party's NAME.csr")
+    s.add_argument("--ca", type=Path, required=True, help="the CA's folder (ca.pem, ca.key)")
+    s.add_argument("--out", type=Path, default=None,
+                   help="the certificate (default: NAME.pem beside the request; ca.pem, the CA's own, goes beside it "
+                        "when that folder has none)")
+    s.add_argument("--days", type=int, default=365, help="how long it is valid (default %(default)s)")
+
+    v = command(sub, "revoke", "revoke a certificate: re-signs the CA's list, crl.pem, for every party to read",
+                handler=_pki_revoke)
+    v.add_argument("cert", type=Path, metavar="CERT", help="the certificate to revoke (PEM)")
+    v.add_argument("--ca", type=Path, required=True, help="the CA's folder that issued it")
+    v.add_argument("--days", type=int, default=30, help="until when the list is current (default %(default)s)")
+
+    b = command(sub, "bundle", "put the CA certificates a party trusts in one file (its ca.pem or --tls-ca)",
+                handler=_pki_bundle)
+    b.add_argument("cas", type=Path, nargs="+", metavar="CA_PEM")
+    b.add_argument("--out", type=Path, required=True, help="the bundle")
+
+    w = command(sub, "show", "what certificates say: party, role, issuer, serial, expiry", handler=_pki_show)
+    w.add_argument("certs", type=Path, nargs="+", metavar="PEM")
+
+
+def _pki_request(args: argparse.Namespace) -> int:
+    key, csr = pki.make_request(args.out, args.name, args.role, hosts=args.host or DEFAULT_HOSTS,
+                                organisation=args.organisation or "Cutlayer party")
+    print(f"key: {key} (keep it here; it never leaves this folder)")
+    print(f"request: {csr} (send it to the CA; it holds no secret)")
+    return 0
+
+
+def _pki_ca(args: argparse.Namespace) -> int:
+    ca = pki.make_ca(args.out, args.name, days=args.days)
+    print(f"CA: {ca} (give it to every party that trusts this CA); its key: {args.out / 'ca.key'} (keep it here)")
+    return 0
+
+
+def _pki_sign(args: argparse.Namespace) -> int:
+    out = args.out or args.csr.with_suffix(".pem")
+    issued = pki.sign_request(args.ca, args.csr, out, days=args.days)
+    print(f"{issued.path}: {pki.describe(issued.certificate)} (send it back to the party)")
+    anchor = issued.path.parent / "ca.pem"
+    if not anchor.exists():  # the party's folder gets the CA's certificate too, as --tls-dir reads it
+        atomic_write_bytes(anchor, (args.ca / "ca.pem").read_bytes())
+        print(f"{anchor}: the CA's certificate, which the party trusts (with two CAs: pki bundle)")
+    return 0
+
+
+def _pki_revoke(args: argparse.Namespace) -> int:
+    crl, count = pki.revoke(args.ca, args.cert, days=args.days)
+    print(f"{crl}: {count} revoked; give it to every party that trusts this CA (--tls-crl, or crl.pem in --tls-dir)")
+    return 0
+
+
+def _pki_bundle(args: argparse.Namespace) -> int:
+    certs = pki.bundle(args.out, args.cas)
+    print(f"{args.out}: " + "; ".join(pki.describe(c) for c in certs))
+    return 0
+
+
+def _pki_show(args: argparse.Namespace) -> int:
+    for path in args.certs:
+        for cert in pki.read_pem_certificates(path):
+            print(f"{path}: {pki.describe(cert)}")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m parties") -> int:
+    args = build_parser(prog).parse_args(argv)
     configure_logging("WARNING")
     return int(args.handler(args))
 
@@ -55,7 +144,7 @@ def _certs_command(args: argparse.Namespace) -> int:
         parties[name] = role
     if not parties:
         raise ConfigError("give at least one --party NAME=ROLE")
-    files = write_dev_pki(args.out, parties, hosts=args.host or DEFAULT_HOSTS, days=args.days)
+    files = pki.write_dev_pki(args.out, parties, hosts=args.host or DEFAULT_HOSTS, days=args.days)
     print(f"CA: {args.out / 'ca.pem'}")
     for name, f in files.items():
         print(f"{name} ({parties[name]}): {f.cert}, {f.key}")

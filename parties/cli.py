@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
@@ -93,13 +94,36 @@ def add_service_arguments(parser: argparse.ArgumentParser, settings: type[BaseMo
     A flag not given leaves the setting to the environment (``CUTLAYER_<ROLE>_...``), then to its default."""
     add_flags(parser, settings, skip=skip)
     add_log_level(parser, "INFO")
+    files = parser.add_argument_group("a settings file")
+    files.add_argument("--config", type=Path, default=None, metavar="FILE",
+                       help="read settings from this TOML file; flags and the environment override it")
+    files.add_argument("--print-config", action="store_true",
+                       help="print every setting as a commented TOML file (the values given, else the defaults), "
+                            "and exit")
 
 
 def service_settings(args: argparse.Namespace, settings: type[ServiceSettings]) -> ServiceSettings:
-    """The service's settings from its flags, the environment and the defaults; a problem names its flag."""
+    """The service's settings from its flags, the environment, its ``--config`` file and the defaults; a problem
+    names its flag or its file. With ``--print-config``, prints them as a TOML file and exits instead."""
     from parties.settings import load_settings
 
-    return load_settings(settings, **flag_values(args, settings))
+    values = flag_values(args, settings)
+    if args.print_config:
+        from parties.config_file import print_config, read_config_file
+
+        given = read_config_file(args.config) if args.config is not None else {}
+        _merge(given, values)
+        print(print_config(settings, given, f"{settings.role} {args.command}"), end="")
+        raise SystemExit(0)
+    return load_settings(settings, args.config, **values)
+
+
+def _merge(into: dict, values: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def pin_cpus(cpus: tuple[int, ...] | None) -> None:

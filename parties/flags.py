@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-__all__ = ["Flag", "add_flags", "as_flags", "flag_for", "flag_values", "number", "pair", "show"]
+__all__ = ["Flag", "add_flags", "as_flags", "flag_for", "flag_values", "number", "pair", "settings_table", "show"]
 
 #: Where ``add_flags`` keeps a setting's value in the namespace: ``setting:PartnerSettings:bottom.learning_rate``.
 _DEST = "setting:"
@@ -182,7 +182,13 @@ def _add(parser: argparse.ArgumentParser, model: type[BaseModel], dest: str, *, 
             _add(parser, nested, dest, _path=path, _prefix=_prefix + meta.prefix, group=sub)
             continue
         target.add_argument(_option(meta, name, _prefix), dest=dest + ".".join(path), default=argparse.SUPPRESS,
-                            required=info.is_required(), help=_help(info, meta), **_argument(name, info, meta))
+                            help=_help(info, meta), **_argument(name, info, meta))
+
+
+def settings_table(info: FieldInfo) -> type[BaseModel] | None:
+    """The model a field holds as a group of settings of its own (prefixed flags, a table in a file), if any."""
+    nested = _model(info.annotation)
+    return nested if nested is not None and _meta(info).parse is None else None
 
 
 def flag_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

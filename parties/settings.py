@@ -9,18 +9,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from parties.errors import ConfigError
 from parties.flags import Flag, flag_for
 from parties.tables.ids import IdType
-from parties.transport.tls import Role, TLSFiles, is_loopback
+from parties.transport.tls import NAME, Role, TLSFiles, is_loopback
 
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
     from parties.tables.table import PartyTable
@@ -30,8 +34,6 @@ __all__ = ["NAME", "ServiceSettings", "describe_problems", "load_settings"]
 logger = logging.getLogger(__name__)
 
 
-#: A party's name, as its certificate's CN and its folders spell it.
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
@@ -42,6 +44,14 @@ def _cpu_list(text: str) -> tuple[int, ...]:
     if any(c < 0 for c in cpus):
         raise argparse.ArgumentTypeError(f"--cpus takes CPU numbers from 0, not {text!r}")
     return cpus
+
+
+def _pin(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not NAME.fullmatch(name) or not path:
+        raise argparse.ArgumentTypeError(f"--tls-pin takes NAME=CA_FILE (a peer's name and its CA's certificate), "
+                                         f"not {text!r}")
+    return name, Path(path)
 
 
 class ServiceSettings(BaseSettings):
@@ -70,6 +80,13 @@ class ServiceSettings(BaseSettings):
     tls_ca: Path | None = Field(None, description="the partnership's CA certificate (PEM)")
     tls_cert: Path | None = Field(None, description="this party's certificate (PEM)")
     tls_key: Path | None = Field(None, description="this party's private key (PEM)")
+    tls_crl: Path | None = Field(None, description="revocation lists (PEM) from the CAs this party trusts, re-read "
+                                 "when the file changes (default: crl.pem in --tls-dir, when there is one)")
+    tls_pin: Annotated[dict[str, Path], Flag(parse=_pin, repeat=True, collect=dict, metavar="NAME=CA_FILE")] = Field(
+        {}, description="the peer NAME must hold a certificate from this CA (with one CA per organisation); a peer "
+        "not pinned, one from the CA of this party's own certificate")
+    tls_warn_days: int = Field(30, ge=0, description="warn when this party's certificate, a trusted CA or a peer's "
+                               "certificate ends within this many days")
     insecure: bool = Field(False, description="plain HTTP, no certificates, on a loopback address only: development "
                            "on one machine (the command line only; the environment cannot turn TLS off)")
     state_dir: Path | None = Field(None, description="where this party keeps caches, checkpoints and models "
@@ -109,7 +126,11 @@ class ServiceSettings(BaseSettings):
             read.__name__ = type(source).__name__
             return read
 
-        return init_settings, without_insecure(env_settings), without_insecure(dotenv_settings), file_secret_settings
+        def config_file() -> dict[str, object]:  # --config FILE: below the environment (parties.config_file)
+            return _FILE_VALUES.get()
+
+        return (init_settings, without_insecure(env_settings), without_insecure(dotenv_settings), config_file,
+                file_secret_settings)
 
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:
@@ -126,13 +147,18 @@ class ServiceSettings(BaseSettings):
         """The party's TLS files, or ``None`` in ``--insecure`` mode."""
         if self.insecure:
             return None
+        if self.tls_crl is not None and not self.tls_crl.is_file():
+            raise ValueError(f"--tls-crl {self.tls_crl} does not exist")
+        trust = {"pins": tuple(sorted(self.tls_pin.items())), "warn_days": self.tls_warn_days}
+        if self.tls_crl is not None:
+            trust["crl"] = self.tls_crl
         explicit = (self.tls_ca, self.tls_cert, self.tls_key)
         if all(explicit):
-            return TLSFiles(*explicit)  # type: ignore[arg-type]
+            return TLSFiles(*explicit, **trust)  # type: ignore[arg-type]
         if any(explicit):
             raise ValueError("give all of --tls-ca, --tls-cert and --tls-key, or --tls-dir")
         if self.tls_dir is not None:
-            return TLSFiles.from_dir(self.tls_dir, self.name)
+            return TLSFiles.from_dir(self.tls_dir, self.name, **trust)
         raise ValueError("TLS is required: give --tls-dir (or --tls-ca/--tls-cert/--tls-key), or --insecure")
 
     def load_table(self) -> PartyTable:
@@ -202,13 +228,31 @@ def _check_transport_flags(cls: type[ServiceSettings], values: dict[str, object]
                       f"line for plain HTTP, or --tls-dir for TLS, and unset {variable}")
 
 
-def load_settings(cls: type[ServiceSettings], **values: object) -> ServiceSettings:
-    """Build settings from flags (``None`` means: not given, use the environment or the default).
+#: A ``--config`` file's settings while ``load_settings`` builds a model (``settings_customise_sources``).
+_FILE_VALUES: ContextVar[dict[str, object]] = ContextVar("cutlayer_config_file", default={})
+
+
+def load_settings(cls: type[ServiceSettings], config_file: Path | None = None, **values: object) -> ServiceSettings:
+    """Build settings from flags (``None`` means: not given), the environment, a ``--config`` TOML file and the
+    defaults, in that order; a problem names its flag, or the file and key it came from.
 
     Whether TLS is on is decided by the flags alone (``_check_transport_flags``).
     """
+    from parties.config_file import read_config_file
+
     _check_transport_flags(cls, values)
+    given = {k: v for k, v in values.items() if v is not None}
+    in_file = read_config_file(config_file) if config_file is not None else {}
+
+    def where(loc: tuple[int | str, ...]) -> str:
+        if loc and loc[0] in in_file and loc[0] not in given:
+            return f"{config_file}: {'.'.join(map(str, loc))}"
+        return flag_for(cls, loc)
+
+    token = _FILE_VALUES.set(in_file)
     try:
-        return cls(**{k: v for k, v in values.items() if v is not None})
+        return cls(**given)
     except ValidationError as exc:
-        raise ConfigError(describe_problems(exc, lambda loc: flag_for(cls, loc))) from exc
+        raise ConfigError(describe_problems(exc, where)) from exc
+    finally:
+        _FILE_VALUES.reset(token)

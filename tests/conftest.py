@@ -13,12 +13,13 @@ import pytest
 
 from alignment.parallel import WorkerPool
 from bank.service.app import create_app as create_bank_app
-from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
 from bank.settings import BankSettings
-from partner.settings import PartnerSettings
+from data.uci import BANK_FULL_NAME, cache_dir, locate_bank_full
+from parties.transport.pki import write_dev_pki
 from parties.transport.server import ServerThread
-from parties.transport.tls import TLSFiles, write_dev_pki
+from parties.transport.tls import TLSFiles
 from partner.service import create_app as create_partner_app
+from partner.settings import PartnerSettings
 
 SHARED_COPY = Path(__file__).resolve().parents[2] / "shared" / "data" / BANK_FULL_NAME
 PARTIES = {"bank": "bank", "partner": "partner", "partner2": "partner", "bank2": "bank",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bank.lab.bench.training import format_bench, run_training_bench
 from bank.lab.bench.psi import format_result, run_bench
+from bank.lab.bench.training import format_bench, run_training_bench
 from bank.lab.bench.wire_floor import measure_wire_floor
 from parties import speed
-from parties.transport.tls import write_dev_pki
+from parties.transport.pki import write_dev_pki
 
 
 def test_bench_reports_the_intersection_and_wire_cost() -> None:

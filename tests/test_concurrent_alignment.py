@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 
 from alignment.parallel import WorkerPool
+from bank.lab.bench.scale import write_synthetic_parties
 from bank.service.aligner import align_with_partners
 from bank.vertical.http_partner import HttpPartner
-from bank.lab.bench.scale import write_synthetic_parties
 from parties.errors import PeerError
 from parties.limits import PsiLimits
-from partner.settings import PartnerSettings
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
+from parties.transport.pki import write_dev_pki
 from parties.transport.server import ServerThread
-from parties.transport.tls import PeerIdentity, TLSFiles, write_dev_pki
+from parties.transport.tls import PeerIdentity, TLSFiles
 from partner.service import create_app as create_partner_app
+from partner.settings import PartnerSettings
 
 PARTNERS = ("partner1", "partner2", "partner3")
 

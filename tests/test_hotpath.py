@@ -238,6 +238,25 @@ def test_each_connection_keeps_its_own_caller(pki: Path, tmp_path: Path) -> None
         thread.stop()
 
 
+def _certificate_der(name: str, role: str) -> bytes:
+    """A self-signed certificate naming a party and a role, as a verified peer's would (DER)."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.DER)
+
+
 def test_connections_that_cannot_be_told_apart_identify_nobody() -> None:
     """TCP never has two open connections with the same addresses; if it had, neither may borrow a certificate."""
     class Transport:
@@ -247,8 +266,11 @@ def test_connections_that_cannot_be_told_apart_identify_nobody() -> None:
 
         def get_extra_info(self, key: str, default: object = None) -> object:
             cert = {"subject": ((("commonName", self.name),), (("organizationalUnitName", "bank"),))}
+            der = _certificate_der(self.name, "bank")
+            ssl_object = type("SSL", (), {"context": None,
+                                          "getpeercert": lambda _self, binary=False: der if binary else cert})()
             return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 443),
-                    "ssl_object": type("SSL", (), {"getpeercert": lambda _self: cert})()}.get(key, default)
+                    "ssl_object": ssl_object}.get(key, default)
 
         def is_closing(self) -> bool:
             return self.closed

@@ -62,7 +62,7 @@ def test_the_readme_opens_with_a_venv_the_install_and_the_two_commands() -> None
 def test_the_by_hand_flow_writes_nothing_git_would_pick_up(tmp_path: Path) -> None:
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
-    for path in ("demo/certs/ca.key", "demo/state/bank/runs/x/model/top.safetensors",
+    for path in ("demo/ca/ca.key", "demo/bank/bank.key", "demo/state/bank/runs/x/model/top.safetensors",
                  "notebooks/analysis.nbconvert.ipynb", "runs/20260101-000000/certs/ca.key"):
         check = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert check.returncode == 0, f"{path}: demo/ (with the development CA's private key) is not ignored by git"

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from bank.configurations.horizontal import HorizontalTrainer, branch_labels
 from bank.configurations.layer_peer import LayerPeer
-from bank.configurations.u_shaped import OwnerTrainer, owner_data
 from bank.configurations.split_run import ConfigurationSettings, write_configuration_run
+from bank.configurations.u_shaped import OwnerTrainer, owner_data
 from bank.task import Task
 from data.configurations import BRANCH_COLUMN, LABEL, prepare_branches, prepare_owner
 from data.uci import locate_bank_full
@@ -35,8 +35,9 @@ from parties.errors import ConfigError, DataError
 from parties.storage.files import atomic_write_bytes, atomic_write_text, private_dir
 from parties.tables.table import load_party_table, read_table_text
 from parties.transport.client import make_client
+from parties.transport.pki import write_dev_pki
 from parties.transport.process import ServiceProcess
-from parties.transport.tls import PeerIdentity, TLSFiles, write_dev_pki
+from parties.transport.tls import PeerIdentity, TLSFiles
 
 __all__ = ["OWNER_CONFIGURATIONS", "HORIZONTAL_CONFIGURATIONS", "configuration_walkthrough", "horizontal_run",
            "owner_run"]

@@ -12,7 +12,7 @@ from starlette.datastructures import Headers
 from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
-from parties.transport.tls import ROLES, PeerIdentity, peer_identity
+from parties.transport.tls import ROLES, PeerIdentity
 
 __all__ = [
     "CLOSING_STATUSES", "Refusal", "check_declared_length", "ensure_role", "identify", "peer_detail", "read_limited",
@@ -31,9 +31,12 @@ def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentit
     """Who is calling: from the verified client certificate (or, with --insecure only, a header)."""
     tls = scope.get("extensions", {}).get("tls") or {}
     if tls.get("peercert"):
-        identity = tls["identity"] if "identity" in tls else peer_identity(tls["peercert"])
+        identity = tls.get("identity")
         if identity is None:
-            raise Forbidden("the client certificate names no Cutlayer party and role")
+            raise Forbidden("the client certificate names no Cutlayer party this service accepts")
+        trust = tls.get("trust")
+        if trust is not None and trust.revoked(tls["issuer"], tls["serial"]):  # revoked since it connected
+            raise Forbidden(f"the client certificate of {identity.role} {identity.name!r} is revoked")
         return identity
     if settings.insecure:
         role, _, name = Headers(scope=scope).get(CALLER_HEADER, "").partition(":")

@@ -24,7 +24,13 @@ from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport import sockets
-from parties.transport.tls import PeerIdentity, TLSFiles, client_ssl_context, handshake_failure, peer_identity
+from parties.transport.tls import (
+    PeerIdentity,
+    TLSFiles,
+    check_peer,
+    client_ssl_context,
+    handshake_failure,
+)
 
 __all__ = ["StepConnection", "client_for", "expect_server", "make_client", "party_transport", "server_identity"]
 
@@ -70,12 +76,16 @@ def client_for(settings: ServiceSettings, *, timeout: float = 60.0, base_url: st
 
 
 def server_identity(response: httpx.Response) -> PeerIdentity | None:
-    """Who answered: the name and role in the server certificate of the connection ``response`` came on."""
+    """Who answered: the party of the server certificate of the connection ``response`` came on, if this party
+    trusts it to be that party (pins, revocation: ``parties.transport.tls.Trust``); ``None`` on plain HTTP."""
     stream = response.extensions.get("network_stream")
     ssl_object = stream.get_extra_info("ssl_object") if stream is not None else None
     if ssl_object is None:
         return None
-    return peer_identity(ssl_object.getpeercert())
+    identity, problem = check_peer(ssl_object)
+    if identity is None:
+        raise PeerUntrusted(f"{response.url.host}:{response.url.port}: {problem}")
+    return identity
 
 
 def expect_server(response: httpx.Response, name: str, role: str) -> None:
@@ -104,7 +114,9 @@ class _Connection(http.client.HTTPConnection):
         try:
             if self.context is not None:
                 sock = self.context.wrap_socket(sock, server_hostname=self.host)
-                identity = peer_identity(sock.getpeercert())  # type: ignore[attr-defined]
+                identity, problem = check_peer(sock)  # type: ignore[arg-type]
+                if identity is None:
+                    raise PeerUntrusted(f"{self.host}:{self.port}: {problem}")
                 if identity != self.expect:
                     raise PeerError(f"expected {self.expect.role} {self.expect.name!r} at {self.host}:{self.port}, "
                                     f"but its certificate names {identity}")

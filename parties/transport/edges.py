@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography import x509
+
 from parties.errors import ConfigError
 from parties.transport import sockets
-from parties.transport.tls import ROLES, peer_identity
+from parties.transport.tls import check_peer, trust_of
 
 __all__ = [
     "TLSHandshake", "Timeouts", "bind_socket", "connection_tls", "handshake_refusal", "no_delay", "peer_address",
@@ -52,13 +54,16 @@ def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
     Read once per connection, not once per request; ``parties.transport.access.identify`` reads it.
     """
     ssl_object = transport.get_extra_info("ssl_object")
-    peercert = ssl_object.getpeercert() if ssl_object is not None else None
-    tls = {"peercert": peercert, "identity": peer_identity(peercert)}
-    if peercert and tls["identity"] is None:  # from our CA, yet not exactly one party (CN) and one role (OU)
-        logger.warning("TLS connection from %s refused: its certificate must name exactly one Cutlayer party (CN) "
-                       "and one role (OU: %s), it names %s", peer_address(transport), ", ".join(sorted(ROLES)),
-                       peercert.get("subject"))
+    if ssl_object is None:
+        return {}
+    identity, problem = check_peer(ssl_object)
+    tls: dict[str, Any] = {"peercert": ssl_object.getpeercert(), "identity": identity}
+    if identity is None:  # verified by a CA we trust, yet not a party we accept (its name, its CA, revoked)
+        logger.warning("TLS connection from %s refused: %s", peer_address(transport), problem)
         transport.close()  # nothing it sends is read
+    else:
+        cert = x509.load_der_x509_certificate(ssl_object.getpeercert(True))
+        tls.update(trust=trust_of(ssl_object.context), issuer=cert.issuer, serial=cert.serial_number)
     return tls
 
 
@@ -75,6 +80,8 @@ def handshake_refusal(exc: BaseException) -> str:
     """Why this server refused a client's handshake, in an operator's words."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return "the handshake did not finish in time"
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code == 10:  # X509_V_ERR_CERT_HAS_EXPIRED
+        return f"its certificate has expired ({exc.verify_message})"
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"its certificate is not from this partnership's CA ({exc.verify_message or exc.reason})"
     if isinstance(exc, ssl.SSLError):
@@ -125,6 +132,8 @@ class TLSHandshake(asyncio.Protocol):
         # Runs after start_tls has made its TLS protocol the transport's, before that protocol starts.
         loop.call_soon(self._replay, transport)
         try:
+            if (trust := trust_of(self._context)) is not None:
+                trust.refresh()  # a renewed certificate, CA bundle or revocation list, before this handshake
             secure = await loop.start_tls(
                 transport, protocol, self._context, server_side=True, ssl_handshake_timeout=self._timeout
             )

@@ -1,46 +1,70 @@
-"""Mutual TLS between parties: a development CA, party certificates, SSL contexts, peer identity.
+"""Mutual TLS between parties: SSL contexts, and who a verified peer is and may be.
 
-A party certificate says who the party is and what it does: the subject's
-common name (CN) is the party's name, its organisational unit (OU) its role:
-``bank``, ``partner`` or ``compute`` (a compute party, which holds a trunk and no data of its own). Every certificate serves both ends of a connection
-(server and client authentication), so a party's operator calls its own
-service with the party's certificate.
+A party certificate says who the party is and what it does: the subject's common name (CN) is the party's name,
+its organisational unit (OU) its role: ``bank``, ``partner`` or ``compute`` (a compute party, which holds a trunk
+and no data of its own). Every certificate serves both ends of a connection (server and client authentication),
+so a party's operator calls its own service with the party's certificate. ``parties.transport.pki`` issues them.
+
+Beyond what the handshake checks (a chain to a trusted CA, validity dates, the host name), a party's ``Trust``
+decides who a verified peer may be:
+
+- **pins**: a peer named in ``--tls-pin NAME=CA_FILE`` must hold a certificate from that CA; any other peer one
+  from the CA that issued this party's own certificate. With one CA per organisation and a bundle of both as
+  ``--tls-ca``, a CA can then speak only for its own organisation's parties;
+- **revocation**: a certificate on a revocation list (``--tls-crl``, signed by the CA that issued it) is refused,
+  at its next request even on a connection already open;
+- **rotation**: the files are re-read when they change (checked at most once a second, as connections and
+  requests come), so a renewed certificate, key, CA bundle or list takes effect without a restart; a CA taken
+  out of the bundle stays trusted until the restart, the certificates it issued can be revoked meanwhile;
+- **expiry**: a certificate of its own, or a CA it trusts, that ends within ``warn_days`` is warned about at
+  start and on every reload, and a peer's when it first connects.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
+import re
 import ssl
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
 from parties.errors import ConfigError
-from parties.storage.files import atomic_write_bytes
 
 __all__ = [
+    "DEFAULT_HOSTS",
+    "NAME",
     "ROLES",
     "PeerIdentity",
     "Role",
     "TLSFiles",
+    "Trust",
+    "check_peer",
     "client_ssl_context",
     "handshake_failure",
     "is_loopback",
-    "peer_identity",
     "server_ssl_context",
-    "write_dev_pki",
+    "trust_for",
+    "trust_of",
 ]
+
+logger = logging.getLogger(__name__)
 
 Role = Literal["bank", "partner", "compute"]
 ROLES: tuple[str, ...] = get_args(Role)
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+#: A party's name, as its certificate's CN and its folders spell it.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: How often, at most, a party looks at its TLS files for a change.
+RELOAD_SECONDS = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -55,22 +79,27 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class TLSFiles:
-    """The three PEM files a party needs: the CA it trusts, its certificate and its key."""
+    """A party's TLS files: the CA certificates it trusts (one, or a bundle), its certificate and key; the
+    revocation lists it reads (``crl``, if the file exists) and the peers it pins to a CA (``pins``)."""
 
     ca: Path
     cert: Path
     key: Path
+    crl: Path | None = None
+    pins: tuple[tuple[str, Path], ...] = ()
+    warn_days: int = 30
 
     @classmethod
-    def from_dir(cls, directory: Path, name: str) -> TLSFiles:
-        """``DIR/ca.pem``, ``DIR/<name>.pem``, ``DIR/<name>.key`` as written by ``python -m parties certs``."""
+    def from_dir(cls, directory: Path, name: str, **more: Any) -> TLSFiles:
+        """``DIR/ca.pem``, ``DIR/<name>.pem``, ``DIR/<name>.key`` and, when there is one, ``DIR/crl.pem``."""
         d = Path(directory)
-        return cls(d / "ca.pem", d / f"{name}.pem", d / f"{name}.key")
+        return cls(d / "ca.pem", d / f"{name}.pem", d / f"{name}.key", **{"crl": d / "crl.pem", **more})
 
     def check(self) -> None:
         for label, path in (("CA certificate", self.ca), ("certificate", self.cert), ("key", self.key)):
             if not Path(path).is_file():
-                raise ConfigError(f"TLS {label} {path} does not exist (create one with `python -m parties certs`)")
+                raise ConfigError(f"TLS {label} {path} does not exist (make one with `python -m parties pki`, "
+                                  f"or a development set with `python -m parties certs`)")
 
 
 @dataclass(frozen=True)
@@ -79,156 +108,238 @@ class PeerIdentity:
     role: str
 
 
-def _name(common_name: str, unit: str | None = None) -> x509.Name:
-    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Cutlayer development PKI")]
-    if unit:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit))
-    attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
-    return x509.Name(attrs)
+def _one(name: x509.Name, oid: x509.ObjectIdentifier) -> str | None:
+    values = name.get_attributes_for_oid(oid)
+    return str(values[0].value) if len(values) == 1 else None
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+def _label(name: x509.Name) -> str:
+    return repr(_one(name, NameOID.COMMON_NAME) or name.rfc4514_string())
 
 
-def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
-    names: list[x509.GeneralName] = []
-    for h in hosts:
+def _certificates(path: Path, what: str) -> list[x509.Certificate]:
+    try:
+        return x509.load_pem_x509_certificates(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    except ValueError:
+        raise ConfigError(f"{what} {path} holds no PEM certificate") from None
+
+
+def _crls(path: Path) -> list[x509.CertificateRevocationList]:
+    text = Path(path).read_bytes()
+    blocks = re.findall(rb"-----BEGIN X509 CRL-----.+?-----END X509 CRL-----", text, re.DOTALL)
+    if not blocks:
+        raise ConfigError(f"revocation list {path} holds no PEM CRL")
+    try:
+        return [x509.load_pem_x509_crl(b) for b in blocks]
+    except ValueError as exc:
+        raise ConfigError(f"revocation list {path} is damaged ({exc})") from None
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """What the files said when last read: whose certificates a peer may hold, and which are revoked."""
+
+    own: x509.Certificate
+    own_issuer: x509.Name
+    pins: dict[str, x509.Name]
+    revoked: dict[x509.Name, frozenset[int]] = field(default_factory=dict)
+
+
+def _days_left(cert: x509.Certificate) -> float:
+    return (cert.not_valid_after_utc - dt.datetime.now(dt.timezone.utc)).total_seconds() / 86400
+
+
+class Trust:
+    """A party's TLS files, read and kept current: its SSL contexts, and whether a verified peer may be who it
+    says (module docstring). One per set of files in a process (``trust_for``)."""
+
+    def __init__(self, files: TLSFiles) -> None:
+        files.check()
+        self.files = files
+        self._lock = threading.Lock()
+        self._contexts: list[ssl.SSLContext] = []
+        self._warned: set[tuple[str, int]] = set()
+        self._checked = time.monotonic()
+        self._signature = self._stat()
+        self.policy = self._read()
+
+    # --- reading the files ----------------------------------------------------------------------------------
+    def _paths(self) -> list[Path]:
+        f = self.files
+        return [f.ca, f.cert, f.key, *([f.crl] if f.crl else []), *(p for _, p in f.pins)]
+
+    def _stat(self) -> tuple[tuple[int, int] | None, ...]:
+        out = []
+        for path in self._paths():
+            try:
+                st = Path(path).stat()
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _read(self) -> _Policy:
+        f = self.files
+        own = _certificates(f.cert, "certificate")[0]
+        left = _days_left(own)
+        if left <= 0:
+            raise ConfigError(f"this party's certificate {f.cert} expired on {own.not_valid_after_utc:%Y-%m-%d}: "
+                              f"renew it (python -m parties pki request, then have the CA sign it)")
+        cas = _certificates(f.ca, "CA certificate")
+        subjects = [c.subject for c in cas]
+        if len(set(subjects)) != len(subjects):
+            raise ConfigError(f"{f.ca}: two CA certificates of one name; a peer's CA is told by its name")
+        pins: dict[str, x509.Name] = {}
+        for name, path in f.pins:
+            pinned = _certificates(path, f"the CA pinned for {name!r}")
+            if len(pinned) != 1 or pinned[0].subject not in subjects:
+                raise ConfigError(f"--tls-pin {name}={path}: give one CA certificate that is also in {f.ca}")
+            pins[name] = pinned[0].subject
+        revoked: dict[x509.Name, set[int]] = {}
+        if f.crl is not None and Path(f.crl).exists():
+            for crl in _crls(f.crl):
+                issuer = next((c for c in cas if c.subject == crl.issuer), None)
+                if issuer is None or not crl.is_signature_valid(issuer.public_key()):  # type: ignore[arg-type]
+                    raise ConfigError(f"revocation list {f.crl}: a list by {_label(crl.issuer)} is not signed by a "
+                                      f"CA in {f.ca}")
+                if crl.next_update_utc is not None and crl.next_update_utc < dt.datetime.now(dt.timezone.utc):
+                    logger.warning("revocation list of %s in %s was due for renewal on %s: ask its CA for a new one "
+                                   "(python -m parties pki revoke re-signs it)", _label(crl.issuer), f.crl,
+                                   f"{crl.next_update_utc:%Y-%m-%d}")
+                revoked.setdefault(crl.issuer, set()).update(r.serial_number for r in crl)
+        for cert, what in ((own, f"this party's certificate {f.cert}"),
+                           *((c, f"the CA {_label(c.subject)} in {f.ca}") for c in cas)):
+            if (days := _days_left(cert)) < f.warn_days:
+                logger.warning("%s expires in %.0f days (%s): renew it before then", what, max(days, 0),
+                               f"{cert.not_valid_after_utc:%Y-%m-%d}")
+        return _Policy(own, own.issuer, pins, {k: frozenset(v) for k, v in revoked.items()})
+
+    def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(purpose, cafile=str(self.files.ca))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    return x509.SubjectAlternativeName(names)
+            ctx.load_cert_chain(str(self.files.cert), str(self.files.key))
+        except ssl.SSLError as exc:
+            raise ConfigError(f"{self.files.key} is not the key of {self.files.cert} ({exc.reason})") from None
+        if purpose is ssl.Purpose.CLIENT_AUTH:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        with self._lock:
+            self._contexts.append(ctx)
+        _TRUSTS[ctx] = self
+        return ctx
+
+    def server_context(self) -> ssl.SSLContext:
+        """TLS 1.2+, requiring a client certificate from a trusted CA."""
+        return self._context(ssl.Purpose.CLIENT_AUTH)
+
+    def client_context(self) -> ssl.SSLContext:
+        """TLS 1.2+, verifying the server against the trusted CAs and presenting this party's certificate."""
+        return self._context(ssl.Purpose.SERVER_AUTH)
+
+    def refresh(self) -> None:
+        """Re-read the files if one changed (looked at once a second at most); a set that does not load (a
+        certificate renewed before its key) is reported and the loaded one kept until the next change."""
+        now = time.monotonic()
+        if now - self._checked < RELOAD_SECONDS:
+            return
+        with self._lock:
+            if now - self._checked < RELOAD_SECONDS:
+                return
+            self._checked = now
+            signature = self._stat()
+            if signature == self._signature:
+                return
+            self._signature = signature
+            try:
+                policy = self._read()
+                for ctx in self._contexts:
+                    ctx.load_cert_chain(str(self.files.cert), str(self.files.key))
+                    ctx.load_verify_locations(cafile=str(self.files.ca))
+            except (ConfigError, ssl.SSLError, OSError, ValueError) as exc:
+                logger.warning("TLS files changed but do not load (%s); the ones loaded before stay in use", exc)
+                return
+            self.policy = policy
+            revoked = sum(map(len, policy.revoked.values()))
+            logger.info("TLS files reloaded: certificate %s (serial %x) valid until %s; %d revoked", self.files.cert,
+                        policy.own.serial_number, f"{policy.own.not_valid_after_utc:%Y-%m-%d}", revoked)
+
+    # --- peers ----------------------------------------------------------------------------------------------
+    def check(self, der: bytes | None) -> tuple[PeerIdentity | None, str | None]:
+        """Who a peer with this verified certificate (DER) is, or why it may not be anyone here."""
+        if not der:
+            return None, "it presented no certificate"
+        self.refresh()
+        cert = x509.load_der_x509_certificate(der)
+        name, role = _one(cert.subject, NameOID.COMMON_NAME), _one(cert.subject, NameOID.ORGANIZATIONAL_UNIT_NAME)
+        # Exactly one of each: with two OUs (partner and bank) or two CNs, which one is meant is the issuer's
+        # mistake or a trick, and reading the first or the last would let the certificate choose.
+        if not name or role not in ROLES:
+            return None, (f"its certificate must name exactly one Cutlayer party (CN) and one role (OU: "
+                          f"{', '.join(ROLES)}); it names {cert.subject.rfc4514_string()!r}")
+        policy = self.policy
+        expected = policy.pins.get(name, policy.own_issuer)
+        if cert.issuer != expected:
+            how = "is pinned to" if name in policy.pins else "is not pinned (--tls-pin NAME=CA_FILE), so it must come from"
+            return None, (f"its certificate for {role} {name!r} is issued by {_label(cert.issuer)}; {name!r} {how} "
+                          f"{_label(expected)}")
+        if cert.serial_number in policy.revoked.get(cert.issuer, ()):
+            return None, f"its certificate for {role} {name!r} (serial {cert.serial_number:x}) is revoked"
+        if (days := _days_left(cert)) < self.files.warn_days and (name, cert.serial_number) not in self._warned:
+            self._warned.add((name, cert.serial_number))
+            logger.warning("%s %r's certificate expires in %.0f days (%s)", role, name, days,
+                           f"{cert.not_valid_after_utc:%Y-%m-%d}")
+        return PeerIdentity(name, role), None
+
+    def revoked(self, issuer: x509.Name, serial: int) -> bool:
+        """Whether a certificate checked earlier (on a connection still open) has been revoked since."""
+        self.refresh()
+        return serial in self.policy.revoked.get(issuer, ())
 
 
-def _issue_ca(name: str, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name))
-        .issuer_name(_name(name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
+#: Every context a ``Trust`` made, to find the trust behind a connection's context.
+_TRUSTS: weakref.WeakKeyDictionary[ssl.SSLContext, Trust] = weakref.WeakKeyDictionary()
+_BY_FILES: dict[TLSFiles, Trust] = {}
+_BY_FILES_LOCK = threading.Lock()
 
 
-def _issue_party(
-    ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
-    name: str,
-    role: str,
-    hosts: Iterable[str],
-    days: int,
-) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name, role))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(_san(hosts), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return cert, key
+def trust_for(files: TLSFiles) -> Trust:
+    """The one ``Trust`` of these files in this process (its contexts are reloaded together)."""
+    with _BY_FILES_LOCK:
+        trust = _BY_FILES.get(files)
+        if trust is None:
+            trust = _BY_FILES[files] = Trust(files)
+        return trust
 
 
-def write_dev_pki(
-    out_dir: Path,
-    parties: Mapping[str, str],
-    *,
-    hosts: Iterable[str] = DEFAULT_HOSTS,
-    ca_name: str = "Cutlayer development CA",
-    days: int = 365,
-) -> dict[str, TLSFiles]:
-    """Create a CA and one certificate per party (``{name: role}``) under ``out_dir``.
-
-    For development and tests: in production each organisation keeps its own
-    key, and the CA is whatever the partnership agrees on.
-    """
-    for name, role in parties.items():
-        if role not in ROLES:
-            raise ConfigError(f"party {name!r}: role must be one of {ROLES}, got {role!r}")
-        if not name or "/" in name or name.startswith("."):
-            raise ConfigError(f"{name!r} is not a usable party name")
-    out = Path(out_dir)
-    hosts = tuple(hosts)
-    ca_cert, ca_key = _issue_ca(ca_name, days)
-    atomic_write_bytes(out / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
-    atomic_write_bytes(out / "ca.key", _pem_key(ca_key))
-    (out / "ca.key").chmod(0o600)
-    files = {}
-    for name, role in parties.items():
-        cert, key = _issue_party(ca_cert, ca_key, name, role, hosts, days)
-        f = TLSFiles.from_dir(out, name)
-        atomic_write_bytes(f.cert, cert.public_bytes(serialization.Encoding.PEM))
-        atomic_write_bytes(f.key, _pem_key(key))
-        f.key.chmod(0o600)
-        files[name] = f
-    return files
+def trust_of(context: ssl.SSLContext | None) -> Trust | None:
+    """The ``Trust`` that made ``context`` (a connection's ``ssl_object.context``), if one did."""
+    return _TRUSTS.get(context) if context is not None else None
 
 
 def server_ssl_context(files: TLSFiles) -> ssl.SSLContext:
-    """TLS 1.2+ server context that requires a client certificate from the trusted CA."""
-    files.check()
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(files.ca))
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(files.cert), str(files.key))
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    """TLS 1.2+ server context that requires a client certificate from a trusted CA (``Trust``)."""
+    return trust_for(files).server_context()
 
 
 def client_ssl_context(files: TLSFiles) -> ssl.SSLContext:
-    """TLS 1.2+ client context: verifies the server against the CA and presents our certificate."""
-    files.check()
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(files.ca))
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(files.cert), str(files.key))
-    return ctx
+    """TLS 1.2+ client context: verifies the server against the trusted CAs and presents our certificate."""
+    return trust_for(files).client_context()
 
 
-def peer_identity(peercert: Mapping[str, Any] | None) -> PeerIdentity | None:
-    """Name and role from a verified peer certificate, as ``ssl.SSLSocket.getpeercert()`` returns it."""
-    if not peercert:
-        return None
-    names, roles = [], []
-    for rdn in peercert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                names.append(value)
-            elif key == "organizationalUnitName":
-                roles.append(value)
-    # Exactly one of each: with two OUs (partner and bank) or two CNs, which one is meant is the issuer's
-    # mistake or a trick, and reading the first or the last would let the certificate choose.
-    if len(names) != 1 or len(roles) != 1 or not names[0] or roles[0] not in ROLES:
-        return None
-    return PeerIdentity(name=names[0], role=roles[0])
+def check_peer(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> tuple[PeerIdentity | None, str | None]:
+    """Who the peer of a TLS connection is (``Trust.check``), or why it may not be anyone here."""
+    if ssl_object is None:
+        return None, "the connection is not TLS"
+    trust = trust_of(ssl_object.context)
+    der = ssl_object.getpeercert(True)
+    if trust is None:  # a context not made here: name and role alone
+        cert = x509.load_der_x509_certificate(der) if der else None
+        name = _one(cert.subject, NameOID.COMMON_NAME) if cert else None
+        role = _one(cert.subject, NameOID.ORGANIZATIONAL_UNIT_NAME) if cert else None
+        return (PeerIdentity(name, role), None) if name and role in ROLES else (None, "no Cutlayer party")
+    return trust.check(der)
 
 
 def handshake_failure(exc: BaseException) -> str | None:
@@ -245,6 +356,8 @@ def handshake_failure(exc: BaseException) -> str | None:
             detail = current.verify_message or current.reason or "verification failed"
             if current.verify_code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
                 return f"its certificate is not issued for this host name or address ({detail})"
+            if current.verify_code == 10:  # X509_V_ERR_CERT_HAS_EXPIRED
+                return f"its certificate has expired ({detail})"
             return f"its certificate is not from this partnership's CA ({detail})"
         if isinstance(current, ssl.SSLError):
             reason = (current.reason or "").upper()

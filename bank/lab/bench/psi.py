@@ -27,12 +27,13 @@ from alignment import curve
 from alignment.parallel import WorkerPool
 from bank.service.aligner import align_with_partners
 from bank.vertical.http_partner import HttpPartner
-from partner.settings import PartnerSettings
 from parties.tables.table import FeatureSchema, PartyTable
 from parties.transport.client import make_client
+from parties.transport.pki import write_dev_pki
 from parties.transport.server import ServerThread
-from parties.transport.tls import PeerIdentity, TLSFiles, write_dev_pki
+from parties.transport.tls import PeerIdentity, TLSFiles
 from partner.service import create_app
+from partner.settings import PartnerSettings
 
 __all__ = ["BenchResult", "run_bench"]
 

@@ -34,8 +34,9 @@ from bank.config import TrainingConfig
 from bank.service.operator import BankOperator
 from parties.errors import ConfigError
 from parties.protocol.control import AlignmentRequest
+from parties.transport.pki import write_dev_pki
 from parties.transport.process import ServiceProcess
-from parties.transport.tls import TLSFiles, write_dev_pki
+from parties.transport.tls import TLSFiles
 
 __all__ = ["ScaleBench", "format_scale_bench", "run_scale_bench", "scale_bench_json", "write_synthetic_parties"]
 

@@ -34,8 +34,8 @@ import torch
 from pydantic import ValidationError
 
 from bank.config import MAX_AUTO_BATCH, TrainingConfig
-from bank.lab.references.unsplit import UnsplitModel
 from bank.lab.bench.wire_floor import measure_wire_floor
+from bank.lab.references.unsplit import UnsplitModel
 from bank.service.operator import BankOperator
 from bank.task import Task
 from bank.vertical.coordinator import epoch_batches, split_rows
@@ -44,8 +44,9 @@ from parties.errors import ConfigError
 from parties.learning import fast_path
 from parties.learning.training_session import PartySession
 from parties.tables.table import AlignedRows, load_party_table
+from parties.transport.pki import write_dev_pki
 from parties.transport.process import ServiceProcess
-from parties.transport.tls import TLSFiles, write_dev_pki
+from parties.transport.tls import TLSFiles
 
 __all__ = ["TrainingBench", "run_training_bench"]
 

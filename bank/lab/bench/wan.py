@@ -31,13 +31,20 @@ import pandas as pd
 from pydantic import ValidationError
 
 from bank.config import TrainingConfig
+from bank.lab.bench.netns import (
+    BANK_ADDRESS,
+    PARTNER_ADDRESS,
+    WanLink,
+    emulated_link,
+    privilege_problem,
+)
 from bank.lab.bench.training import PARTNER_SEED
-from bank.lab.bench.netns import BANK_ADDRESS, PARTNER_ADDRESS, WanLink, emulated_link, privilege_problem
 from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import ConfigError
+from parties.transport.pki import write_dev_pki
 from parties.transport.process import ServiceProcess
-from parties.transport.tls import DEFAULT_HOSTS, TLSFiles, write_dev_pki
+from parties.transport.tls import DEFAULT_HOSTS, TLSFiles
 
 __all__ = ["DEFAULT_TARGET_AUC", "WAN_MODES", "WanBench", "WanMode", "format_wan_bench", "run_wan_bench",
            "time_to_target", "wan_bench_json"]
