@@ -38,7 +38,7 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     word, rest = argv[0], argv[1:]
     if word not in ENTRY_POINTS:

@@ -285,3 +285,21 @@ def test_a_service_refused_at_start_never_imported_torch(argv: list[str], tmp_pa
     assert refusal and ("loopback" in refusal[0] or "no label column 'y'" in refusal[0])
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "fastapi" not in imported
+
+
+def test_cutlayer_on_the_path_runs_every_entry_point_under_its_own_name(capsys, pki) -> None:
+    from parties.entry import ENTRY_POINTS
+    from parties.entry import main as cutlayer
+
+    assert cutlayer([]) == 2
+    listed = capsys.readouterr().err
+    assert all(f"  {name} " in listed for name in ENTRY_POINTS)
+    assert cutlayer(["nope"]) == 2 and "'nope' is not a cutlayer command" in capsys.readouterr().err
+    for word in ("bank", "partner", "data", "lab"):
+        with pytest.raises(SystemExit):
+            cutlayer([word, "--help"])
+        assert capsys.readouterr().out.startswith(f"usage: cutlayer {word} ")
+    script = Path(sys.executable).parent / "cutlayer"  # pip install puts it beside the interpreter
+    run = subprocess.run([str(script), "pki", "show", str(pki / "partner.pem")], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and "partner 'partner', issued by 'Cutlayer development CA'" in run.stdout

@@ -3,9 +3,11 @@ environment override it, and a mistake in it names the file and the key."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -111,3 +113,17 @@ def test_a_service_starts_from_its_file_alone(tmp_path, pki, write_csv) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_deployment_guides_example_files_are_settings_each_service_takes(tmp_path) -> None:
+    from bank.settings import BankSettings
+    from parties.settings import load_settings
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "deployment.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 2
+    for block, model, name in ((blocks[0], PartnerSettings, "telco"), (blocks[1], BankSettings, "bank")):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(block)
+        loaded = load_settings(model, config)
+        assert loaded.name == name and loaded.tls_pin and loaded.port in (8443, 8444)
