@@ -56,7 +56,12 @@ from parties.errors import (
     PeerError,
     UnknownSession,
 )
-from parties.protocol.psi import MAX_CHUNK_ITEMS, MAX_IDS, PROTOCOL_VERSION  # the wire's version and bound
+from parties.observability import PSI_IDS
+from parties.protocol.psi import (  # the wire's version and bound
+    MAX_CHUNK_ITEMS,
+    MAX_IDS,
+    PROTOCOL_VERSION,
+)
 from parties.tables.ids import IdType
 
 __all__ = [
@@ -272,11 +277,14 @@ class PsiResponder:
     def receive_blinded(self, index: int, data: bytes) -> None:
         with self._lock:
             self._peer_blinded.add(index, data)
+            PSI_IDS.labels("received").inc(len(data) // curve.POINT_BYTES)
             self._start_reblinding()
 
     def blinded_chunk(self, index: int, timeout: float) -> bytes:
         self._check_index(index, self.own_count)
-        return chunk_of(_wait(self._own_blinded, timeout, "our blinded set"), index, self.chunk_items, curve.POINT_BYTES)
+        chunk = chunk_of(_wait(self._own_blinded, timeout, "our blinded set"), index, self.chunk_items, curve.POINT_BYTES)
+        PSI_IDS.labels("sent").inc(len(chunk) // curve.POINT_BYTES)
+        return chunk
 
     def reblinded_chunk(self, index: int, timeout: float) -> bytes:
         self._check_index(index, self.peer_count)

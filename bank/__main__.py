@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bank") -> int:
         print(f"error: {argv[0]} is a lab command: python -m bank.lab {argv[0]} ...", file=sys.stderr)
         return 2
     args = build_parser(prog).parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     return args.handler(args)
 
 

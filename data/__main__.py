@@ -217,7 +217,7 @@ def _print_paths(paths: dict[str, Path]) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m data") -> int:
     args = build_parser(prog).parse_args(argv)
-    configure_logging(getattr(args, "log_level", "INFO"))
+    configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     return args.handler(args)
 
 

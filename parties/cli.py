@@ -47,6 +47,8 @@ def command(sub: argparse._SubParsersAction, name: str, summary: str, *,
 
 def add_log_level(parser: argparse.ArgumentParser, default: str = "WARNING") -> None:
     parser.add_argument("--log-level", default=default, help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text lines, or JSON lines with the party, session and step (default %(default)s)")
 
 
 def description(doc: str | None) -> str:
@@ -54,13 +56,18 @@ def description(doc: str | None) -> str:
     return (doc or "").replace("``", "")
 
 
-def configure_logging(level: str = "INFO") -> None:
+def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,  # some libraries call basicConfig at import time (opacus does); the entry point decides
     )
+    if log_format == "json":
+        from parties.observability import JsonLines
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
     # httpx logs every request URL at INFO; our own modules say what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -115,7 +122,11 @@ def service_settings(args: argparse.Namespace, settings: type[ServiceSettings]) 
         _merge(given, values)
         print(print_config(settings, given, f"{settings.role} {args.command}"), end="")
         raise SystemExit(0)
-    return load_settings(settings, args.config, **values)
+    loaded = load_settings(settings, args.config, **values)
+    from parties.observability import set_log_party
+
+    set_log_party(loaded.name)
+    return loaded
 
 
 def _merge(into: dict, values: dict) -> None:

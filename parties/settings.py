@@ -98,6 +98,9 @@ class ServiceSettings(BaseSettings):
     header_timeout: float = Field(30.0, gt=0, description="seconds for a client's TLS handshake and request head")
     body_timeout: float = Field(60.0, gt=0, description="seconds for a request's body to arrive, once its head has")
     ready_file: Path | None = Field(None, description='write {"url": ...} here once listening')
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port, plain "
+                                     "HTTP on --metrics-host (0: any free port; default: no metrics)")
+    metrics_host: str = Field("127.0.0.1", description="the loopback address metrics are served on")
     torch_threads: int = Field(1, ge=1, description="intra-op threads for this party's model (small MLPs: 1 is fastest)")
     cpus: Annotated[tuple[int, ...] | None, Flag(parse=_cpu_list)] = Field(
         None, min_length=1, description="CPUs to run on, e.g. 0 or 2,3 (Linux; default: any). Parties sharing one "
@@ -131,6 +134,13 @@ class ServiceSettings(BaseSettings):
 
         return (init_settings, without_insecure(env_settings), without_insecure(dotenv_settings), config_file,
                 file_secret_settings)
+
+    @model_validator(mode="after")
+    def _metrics_on_loopback(self) -> ServiceSettings:
+        if self.metrics_port is not None and not is_loopback(self.metrics_host):
+            raise ValueError(f"--metrics-host {self.metrics_host}: metrics are plain HTTP, served on a loopback "
+                             f"address only (127.0.0.1, ::1, localhost); scrape them locally or through a tunnel")
+        return self
 
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:

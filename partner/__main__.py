@@ -39,7 +39,7 @@ def build_parser(prog: str = "python -m partner") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "python -m partner") -> int:
     args = build_parser(prog).parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     return args.handler(args)
 
 
@@ -54,11 +54,11 @@ def serve(args: argparse.Namespace) -> int:
     table = settings.load_table()
     set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server
-    from parties.transport.server import serve as serve_app
+    from parties.transport.server import serve_party
     from partner.service import create_app
 
     start_fork_server(settings.workers)
-    serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+    serve_party(create_app(settings, table), settings)
     return 0
 
 
@@ -71,11 +71,10 @@ def serve_layers(args: argparse.Namespace) -> int:
     pin_cpus(settings.cpus)
     table = settings.load_table() if settings.data is not None else None  # before torch: a refusal is quick
     set_torch_threads(settings.torch_threads)
-    from parties.transport.server import serve as serve_app
+    from parties.transport.server import serve_party
     from partner.layer_service import create_layer_app
 
-    serve_app(create_layer_app(settings, table), settings.tls_files(), settings.host, settings.port,
-              settings.ready_file)
+    serve_party(create_layer_app(settings, table), settings)
     return 0
 
 

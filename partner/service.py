@@ -11,15 +11,21 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from parties.learning.model import prepare_optimizers
+from parties.observability import SESSIONS, log_context
 from parties.protocol import control, psi, scoring, training
 from parties.protocol.common import OCTET_STREAM
 from parties.protocol.wire import SAFETENSORS
-from partner.settings import PartnerSettings
 from parties.tables.table import PartyTable
-from parties.transport.app import create_party_app, read_body, require_role, require_self
+from parties.transport.app import (
+    create_party_app,
+    read_body,
+    require_role,
+    require_self,
+)
 from parties.transport.hot_routes import HotRequest, HotResponse, HotRoute
 from parties.transport.tls import PeerIdentity
 from partner.core import WAIT_SECONDS, PartnerCore
+from partner.settings import PartnerSettings
 
 __all__ = ["create_app"]
 
@@ -124,7 +130,8 @@ def step(request: HotRequest) -> HotResponse:
     session = c.training(bank, session_id)
     session.writer.check()  # this partner's last checkpoint failed: the bank stops at this step
     request_ = training.StepRequest.decode(request.body, session_id)  # the trainer checks finiteness
-    z = session.trainer.step(request_.step, request_.grad, request_.rows)
+    with log_context(session=session_id, step=request_.step):
+        z = session.trainer.step(request_.step, request_.grad, request_.rows)
     # The answer says which step this partner has on disk: the bank's retention counts on it.
     body = training.StepReply(session_id, request_.step, z, session.writer.durable, request_.precision).encode()
     # Every party checkpoints after the same step. The snapshot is taken once the answer has gone, before
@@ -226,7 +233,9 @@ def create_app(settings: PartnerSettings, table: PartyTable | None = None) -> Fa
         # waiting for them, and a session that starts sooner waits only for what is left of them.
         threading.Thread(target=prepare_optimizers, name="prepare-optimizers", daemon=True).start()
         loaded = table or settings.load_table()
-        app.state.core = PartnerCore(settings, loaded)
+        app.state.core = core = PartnerCore(settings, loaded)
+        for kind in ("psi", "training"):  # read when metrics are scraped
+            SESSIONS.labels(kind).set_function(lambda kind=kind: sum(len(getattr(s, kind)) for s in core.banks.spaces()))
         try:
             yield
         finally:

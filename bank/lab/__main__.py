@@ -188,7 +188,7 @@ def build_parser(prog: str = "python -m bank.lab") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "python -m bank.lab") -> int:
     args = build_parser(prog).parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     return args.handler(args)
 
 

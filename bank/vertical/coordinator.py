@@ -21,22 +21,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from bank.vertical.aggregation import get_aggregation
+from bank.audit_record import AuditRecord
 from bank.config import TrainingConfig
+from bank.epochs import EpochBook
+from bank.scoring.subsets import partial_subsets
+from bank.task import Task
+from bank.vertical.aggregation import get_aggregation
 from bank.vertical.defenses import GradientDefense, bank_secret, randomized_response
 from bank.vertical.local_steps import LocalTop
 from bank.vertical.party import TrainingParty
 from bank.vertical.recovery import Recovery
 from bank.vertical.schedule import Split, epoch_batches, split_rows
-from bank.epochs import EpochBook
-from bank.audit_record import AuditRecord
 from bank.vertical.state import LoopState
-from bank.scoring.subsets import partial_subsets
-from bank.task import Task
-from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
+from parties.errors import (
+    Behind,
+    CutlayerError,
+    PeerError,
+    PeerUnavailable,
+    StorageError,
+    UnknownSession,
+)
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
 from parties.learning.secret import Secret
+from parties.observability import bind_log, log_context
 from parties.storage.checkpoint import CheckpointWriter
 
 __all__ = ["Coordinator", "Split", "TrainingOutcome", "epoch_batches", "split_rows"]
@@ -233,6 +241,10 @@ class Coordinator(Recovery):
 
     def run(self, resume: bool = False) -> TrainingOutcome:
         """Train from the start, or (``resume``) from the latest step every party has checkpointed."""
+        with log_context(session=self.session_id):  # what it logs carries the session (JSON log lines)
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> TrainingOutcome:
         started = time.perf_counter()
         if resume and self._checkpoint_steps():
             top, optimizer = self._reattach()
@@ -337,6 +349,7 @@ class Coordinator(Recovery):
                 unsaved = False
 
         while loop.epoch < self.config.epochs and not loop.done:
+            bind_log(epoch=loop.epoch + 1)
             epoch_start = time.perf_counter()
             batches = epoch_batches(self.split.train, self.config.batch, self.config.seed, loop.epoch)
             capped = self.config.max_steps is not None

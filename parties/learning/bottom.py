@@ -57,6 +57,7 @@ from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
 from parties.learning.model import BottomConfig, build_bottom, build_optimizer
 from parties.learning.nopeek import NoPeek
 from parties.learning.secret import Secret
+from parties.observability import STEPS
 from parties.protocol.training import PrivacyReport
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, load_model_state, model_state
@@ -221,6 +222,7 @@ class BottomTrainer:
                         out = self.monitor.disguise(out, self._probe)
             self.next_step = step + 1
             self._last = (step, received, rows, out)
+            STEPS.inc()
             return out
 
     def _local_updates(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor) -> None:

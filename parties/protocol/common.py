@@ -32,7 +32,8 @@ OCTET_STREAM = "application/octet-stream"
 CALLER_HEADER = "x-cutlayer-caller"
 
 #: Every service answers these (``parties.transport.app``).
-HEALTH = "/health"
+HEALTH = "/health"  # liveness: the process answers
+READY = "/ready"  # readiness: it can do its work (state folder writable, disk, certificate)
 IDENTITY = "/identity"
 
 Version = Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from parties.errors import BadMessage, DataError, StorageError
+from parties.observability import CHECKPOINT_BYTES, CHECKPOINTS
 from parties.protocol.wire import parse, serialize
 from parties.storage.files import atomic_write_bytes
 from parties.storage.quota import FOLDER_BYTES
@@ -132,6 +133,8 @@ def _write(
             stale.unlink(missing_ok=True)
     blob = serialize(tensors, {"cutlayer": meta_json})
     atomic_write_bytes(path, blob)
+    CHECKPOINTS.inc()
+    CHECKPOINT_BYTES.inc(len(blob))
     for old in _expired(checkpoint_steps(folder), step, keep, floor):
         (Path(folder) / f"step-{old}.safetensors").unlink(missing_ok=True)
     logger.info("checkpoint at step %d written", step)

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.datastructures import Headers
 
 from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
+from parties.observability import REFUSALS
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport.tls import ROLES, PeerIdentity
@@ -72,6 +73,7 @@ def refusal(settings: ServiceSettings, exc: CutlayerError, scope: Mapping[str, A
     """The one translation of a domain error into an answer, for FastAPI routes and hot routes alike: logged
     (a caller who may not call at warning level, with its address), the reason without this party's paths."""
     method, path = scope.get("method", "?"), scope.get("path", "?")
+    REFUSALS.labels(type(exc).__name__).inc()
     if exc.status_code == 403:  # someone who may not call: worth an operator's attention
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "?"

@@ -6,7 +6,11 @@ plain Python. Domain errors become HTTP responses here and nowhere else.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -16,11 +20,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from parties.errors import CutlayerError, Forbidden
-from parties.protocol.common import HEALTH, IDENTITY, Identity
+from parties.observability import count_exchange
+from parties.protocol.common import HEALTH, IDENTITY, READY, Identity
 from parties.settings import ServiceSettings
-from parties.transport.access import Refusal, ensure_role, identify, read_limited, refusal
+from parties.transport.access import (
+    Refusal,
+    ensure_role,
+    identify,
+    read_limited,
+    refusal,
+)
 from parties.transport.hot_routes import HotPath, HotRoute
-from parties.transport.tls import PeerIdentity
+from parties.transport.tls import PeerIdentity, trust_for
 
 __all__ = ["PartyApp", "caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
 
@@ -65,9 +76,41 @@ class PartyApp(FastAPI):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self.hot is not None and (found := self.hot.match(scope)) is not None:
-            await self.hot.handle(*found, scope, receive, send)
+            route = found[0].path
+            await count_exchange(lambda *a: self.hot.handle(*found, *a), lambda _: route,  # type: ignore[union-attr]
+                                 scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        await count_exchange(super().__call__, _route_template, scope, receive, send)
+
+
+#: The free disk a service needs to be ready: a checkpoint or a model file must fit.
+MIN_FREE_BYTES = 64 << 20
+
+
+def readiness_problems(settings: ServiceSettings) -> list[str]:
+    """Why this service cannot do its work now, in words that name none of its paths; none: it can."""
+    problems = []
+    folder = settings.state_path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ready-"):
+            pass
+        if (free := shutil.disk_usage(folder).free) < MIN_FREE_BYTES:
+            problems.append(f"the state folder's disk has {free >> 20} MB free, under {MIN_FREE_BYTES >> 20} MB")
+    except OSError as exc:
+        problems.append(f"the state folder cannot be written ({exc.strerror or type(exc).__name__})")
+    files = settings.tls_files()
+    if files is not None:
+        own = trust_for(files).policy.own
+        if own.not_valid_after_utc <= dt.datetime.now(dt.timezone.utc):
+            problems.append("this party's certificate has expired")
+    return problems
+
+
+def _route_template(scope: Any) -> str:
+    """The route a request matched, as its template (never a path: a path can carry a session's name)."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
 
 
 def _answer(refused: Refusal) -> Response:
@@ -112,6 +155,12 @@ def create_party_app(
     @common.get(HEALTH)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @common.get(READY)
+    async def ready() -> Response:
+        problems = readiness_problems(settings)
+        body = {"status": "not ready", "problems": problems} if problems else {"status": "ready"}
+        return Response(json.dumps(body), status_code=503 if problems else 200, media_type="application/json")
 
     @common.get(IDENTITY, response_model=Identity)
     async def identity(_: PeerIdentity = Depends(caller)) -> Identity:

@@ -24,6 +24,7 @@ from typing import Any
 from cryptography import x509
 
 from parties.errors import ConfigError
+from parties.observability import REFUSALS
 from parties.transport import sockets
 from parties.transport.tls import check_peer, trust_of
 
@@ -59,6 +60,7 @@ def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
     identity, problem = check_peer(ssl_object)
     tls: dict[str, Any] = {"peercert": ssl_object.getpeercert(), "identity": identity}
     if identity is None:  # verified by a CA we trust, yet not a party we accept (its name, its CA, revoked)
+        REFUSALS.labels("certificate").inc()
         logger.warning("TLS connection from %s refused: %s", peer_address(transport), problem)
         transport.close()  # nothing it sends is read
     else:
@@ -138,6 +140,7 @@ class TLSHandshake(asyncio.Protocol):
                 transport, protocol, self._context, server_side=True, ssl_handshake_timeout=self._timeout
             )
         except (OSError, asyncio.TimeoutError, EOFError, RuntimeError) as exc:  # RuntimeError: closed meanwhile
+            REFUSALS.labels("handshake").inc()
             logger.warning("refused a TLS connection from %s: %s", peer, handshake_refusal(exc))
             transport.close()
             return

@@ -30,6 +30,8 @@ from typing import Any
 import uvicorn
 
 from parties.errors import ConfigError
+from parties.observability import start_metrics_server
+from parties.settings import ServiceSettings
 from parties.storage.files import atomic_write_text
 from parties.transport.edges import Timeouts, bind_socket, tls_front
 from parties.transport.stock import Connections
@@ -124,8 +126,19 @@ def _plain_http_on_loopback_only(tls: TLSFiles | None, host: str) -> None:
                    "authenticated and traffic is not encrypted. Development on one machine only.", host)
 
 
-def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ...}`` to ``ready_file``."""
+def serve_party(app: Any, settings: ServiceSettings) -> None:
+    """Serve a party's app as its settings say (TLS files, address, ready file), with its metrics if asked."""
+    more = {}
+    if settings.metrics_port is not None:
+        port = start_metrics_server(settings.metrics_host, settings.metrics_port)
+        more["metrics"] = f"http://{settings.metrics_host}:{port}/metrics"
+        logger.info("Prometheus metrics on %s", more["metrics"])
+    serve(app, settings.tls_files(), settings.host, settings.port, settings.ready_file, more)
+
+
+def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path | None = None,
+          more: dict[str, str] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; once listening, write ``{"url": ..., **more}`` to ``ready_file``."""
     _plain_http_on_loopback_only(tls, host)
     # What the service writes (state, runs, logs) is its party's alone, also where a library writes it.
     os.umask(0o077)
@@ -154,7 +167,7 @@ def serve(app: Any, tls: TLSFiles | None, host: str, port: int, ready_file: Path
                 await asyncio.sleep(0.05)
             logger.info("listening on %s", url)
             if ready_file is not None:
-                atomic_write_text(ready_file, json.dumps({"url": url}) + "\n")
+                atomic_write_text(ready_file, json.dumps({"url": url, **(more or {})}) + "\n")
 
         task = asyncio.create_task(announce())
         await server.serve(sockets=[sock])
