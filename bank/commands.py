@@ -42,10 +42,10 @@ def serve(args: argparse.Namespace) -> int:
     set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server
     from bank.service.app import create_app
-    from parties.transport.server import serve as serve_app
+    from parties.transport.server import serve_party
 
     start_fork_server(settings.workers)
-    serve_app(create_app(settings, table), settings.tls_files(), settings.host, settings.port, settings.ready_file)
+    serve_party(create_app(settings, table), settings)
     return 0
 
 
@@ -86,7 +86,8 @@ def train(args: argparse.Namespace) -> int:
     with BankOperator(args.url, tls, args.name) as operator:
         job = operator.resume_training(args.resume) if args.resume else operator.start_training(config)
         result = _follow(operator, job, "training")
-    print(json.dumps({k: result[k] for k in ("session", "run_dir", "test", "best_epoch", "epochs_run")}, indent=2))
+    shown = ("session", "run_dir", "test", "best_epoch", "epochs_run", "mlflow")
+    print(json.dumps({k: result[k] for k in shown if k in result}, indent=2))
     if "test_note" in result:
         print(f"warning: {result['test_note']}", file=sys.stderr)
     if result.get("positive_label"):

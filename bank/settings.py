@@ -45,6 +45,24 @@ class BankSettings(ServiceSettings):
         DEFAULT_MAX_OVERLAP, gt=0, le=1, description="refuse, before anything is committed, a partner matching more "
         "than this share of the bank's customers (a partner that claims IDs it does not hold learns them at the "
         "commit); align and score may ask for their own")
+    mlflow: bool = Field(False, description="log each finished run to MLflow (the mlflow extra): settings, per-epoch "
+                         "and test metrics, files; to a local store under the state folder unless --mlflow-uri")
+    mlflow_uri: str | None = Field(None, description="an MLflow tracking server (turns --mlflow on)")
+    mlflow_experiment: str = Field("cutlayer", min_length=1, description="the MLflow experiment runs go to")
+    mlflow_customer_files: bool = Field(False, description="log the run folder's files with a row per customer "
+                                        "too (predictions, splits, calibration)")
+
+    @property
+    def tracks_runs(self) -> bool:
+        return self.mlflow or self.mlflow_uri is not None
+
+    @model_validator(mode="after")
+    def _mlflow_installed(self) -> BankSettings:
+        from bank.tracking import available
+
+        if self.tracks_runs and not available():
+            raise ValueError("--mlflow needs MLflow: pip install -e '.[mlflow]' (or leave --mlflow off)")
+        return self
 
     def load_table(self) -> PartyTable:
         from parties.tables.table import load_party_table

@@ -240,7 +240,26 @@ class BankCore:
         # What a file of customers to score holds: the bank's own file is one (it scores every customer).
         scoring = {"data": str(Path(self.settings.data).resolve()),
                    "columns": [self.table.id_column, *self.table.schema.columns]}
-        return {"run_dir": str(run_dir), **metrics, "scoring": scoring, "positive_label": task.positive_label}
+        result = {"run_dir": str(run_dir), **metrics, "scoring": scoring, "positive_label": task.positive_label}
+        if self.settings.tracks_runs:
+            progress("finishing: logging the run to MLflow", None)
+            result["mlflow"] = self._track(run_dir)
+        return result
+
+    def _track(self, run_dir: Path) -> dict[str, str]:
+        """Log a finished run to MLflow; a failure is reported, and the run stays finished."""
+        from bank.tracking import local_store, log_run
+
+        s = self.settings
+        uri, artifacts = (s.mlflow_uri, None) if s.mlflow_uri else local_store(s.state_path)
+        try:
+            run_id = log_run(run_dir, uri, experiment=s.mlflow_experiment, artifacts=artifacts,
+                             customer_files=s.mlflow_customer_files)
+        except Exception as exc:  # the tracking store's trouble, not the training's
+            logger.warning("the run %s was not logged to MLflow at %s: %s", run_dir.name, uri, exc)
+            return {"uri": uri, "error": f"{type(exc).__name__}: {exc}"}
+        logger.info("run %s logged to MLflow at %s as %s", run_dir.name, uri, run_id)
+        return {"uri": uri, "run_id": run_id}
 
     def _release_abandoned(self, partners: list[HttpPartner]) -> None:
         """Unload, at each partner, this bank's sessions that no job of this process runs: what a crash
