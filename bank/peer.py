@@ -29,7 +29,13 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 import httpx
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_before_delay,
+    wait_exponential,
+)
 
 from parties.errors import (
     AlignmentMismatch,
@@ -47,8 +53,8 @@ from parties.errors import (
     StorageError,
     UnknownSession,
 )
-from parties.transport.client import expect_server
-from parties.transport.tls import handshake_failure
+from parties.transport.client import EXPECT, expect_server
+from parties.transport.tls import PeerIdentity, handshake_failure
 
 __all__ = ["ERROR_BODY_LIMIT", "FIRST_CONTACT_DEADLINE", "HEADER_ROOM", "JSON_LIMIT", "PASSED_ON", "PeerLink",
            "retry_policy"]
@@ -128,7 +134,8 @@ class PeerLink:
         """One call, never resent; its answer's body, read up to ``limit`` bytes (a refusal's up to
         ``ERROR_BODY_LIMIT``); a refusal raised as its error."""
         try:
-            request = self.client.build_request(method, f"{self.url}{path}", **kwargs)  # type: ignore[arg-type]
+            request = self.client.build_request(method, f"{self.url}{path}",  # type: ignore[arg-type]
+                                                extensions={EXPECT: PeerIdentity(self.name, self.role)}, **kwargs)
             request.headers.update(IDENTITY)
             response = self.client.send(request, stream=True)
         except httpx.HTTPError as exc:

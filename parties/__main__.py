@@ -100,8 +100,7 @@ def _pki_ca(args: argparse.Namespace) -> int:
 
 
 def _pki_sign(args: argparse.Namespace) -> int:
-    out = args.out or args.csr.with_suffix(".pem")
-    issued = pki.sign_request(args.ca, args.csr, out, days=args.days)
+    issued = pki.sign_request(args.ca, args.csr, args.out, days=args.days)
     print(f"{issued.path}: {pki.describe(issued.certificate)} (send it back to the party)")
     anchor = issued.path.parent / "ca.pem"
     if not anchor.exists():  # the party's folder gets the CA's certificate too, as --tls-dir reads it
@@ -144,6 +143,8 @@ def _certs_command(args: argparse.Namespace) -> int:
         parties[name] = role
     if not parties:
         raise ConfigError("give at least one --party NAME=ROLE")
+    if (args.out / "ca.key").exists():
+        raise ConfigError(f"{args.out} already holds a CA (ca.key): keys are never overwritten; give another --out")
     files = pki.write_dev_pki(args.out, parties, hosts=args.host or DEFAULT_HOSTS, days=args.days)
     print(f"CA: {args.out / 'ca.pem'}")
     for name, f in files.items():

@@ -302,4 +302,4 @@ def test_cutlayer_on_the_path_runs_every_entry_point_under_its_own_name(capsys, 
     script = Path(sys.executable).parent / "cutlayer"  # pip install puts it beside the interpreter
     run = subprocess.run([str(script), "pki", "show", str(pki / "partner.pem")], capture_output=True, text=True,
                          timeout=60)
-    assert run.returncode == 0 and "partner 'partner', issued by 'Cutlayer development CA'" in run.stdout
+    assert run.returncode == 0 and "partner 'partner', for 127.0.0.1, localhost, issued by 'Cutlayer development CA'" in run.stdout

@@ -28,7 +28,9 @@ class BankOperator:
 
     def __init__(self, url: str, tls: TLSFiles | None, name: str = "bank", timeout: float = 60.0) -> None:
         self.url = url.rstrip("/")
-        self.client = make_client(tls, caller=PeerIdentity(name, "bank"), timeout=timeout, base_url=self.url)
+        # The bank service answers with the bank's own certificate: nothing is sent to anyone else at that URL.
+        self.client = make_client(tls, caller=PeerIdentity(name, "bank"), timeout=timeout, base_url=self.url,
+                                  expect=PeerIdentity(name, "bank"))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

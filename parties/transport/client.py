@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import http.client
 import socket
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
 from urllib.parse import urlsplit
 
 import httpx
+from cryptography import x509
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
@@ -28,21 +30,79 @@ from parties.transport.tls import (
     PeerIdentity,
     TLSFiles,
     check_peer,
-    client_ssl_context,
     handshake_failure,
+    trust_for,
 )
 
-__all__ = ["StepConnection", "client_for", "expect_server", "make_client", "party_transport", "server_identity"]
+__all__ = ["EXPECT", "PartyTransport", "StepConnection", "client_for", "expect_server", "make_client", "party_transport",
+           "server_identity"]
 
 
-def party_transport(tls: TLSFiles | None) -> httpx.HTTPTransport:
-    """httpx's transport with our certificate, the partnership's CA and the TCP options of
-    ``parties.transport.sockets`` (TCP_NODELAY and a loss-based congestion control: each costs a round trip
-    per step otherwise)."""
-    return httpx.HTTPTransport(
-        verify=client_ssl_context(tls) if tls is not None else True,  # plain http: nothing to verify
-        socket_options=sockets.socket_options(),
-    )
+#: A request's extension naming the party it must reach (``PeerIdentity``): checked as its connection is made.
+EXPECT = "cutlayer.expect"
+
+
+class PartyTransport(httpx.BaseTransport):
+    """httpx's transport with our certificate and trust (``parties.transport.tls.Trust``) and the TCP options of
+    ``parties.transport.sockets`` (TCP_NODELAY and a loss-based congestion control: each costs a round trip per
+    step otherwise).
+
+    A new connection's peer is checked once its handshake is done, before any request goes on it: a party this
+    party accepts (pins, revocation), and the one the request names (its ``EXPECT`` extension, else
+    ``expect``). When the trust's files change (a renewal, a revocation), the kept connections are left and
+    the next request handshakes again under the new files.
+    """
+
+    def __init__(self, tls: TLSFiles | None, expect: PeerIdentity | None = None) -> None:
+        self.trust = trust_for(tls) if tls is not None else None
+        self.expect = expect
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._inner: httpx.HTTPTransport | None = None
+        self._retired: list[httpx.HTTPTransport] = []  # left for new files: closed with this transport
+
+    def _current(self) -> httpx.HTTPTransport:
+        if self.trust is not None:
+            self.trust.refresh()
+        generation = self.trust.generation if self.trust is not None else 0
+        with self._lock:
+            if self._inner is None or self._generation != generation:
+                if self._inner is not None:  # requests in flight on it finish; nothing new goes on it
+                    self._retired.append(self._inner)
+                verify = self.trust.client_context() if self.trust is not None else True  # plain http: nothing to verify
+                self._inner = httpx.HTTPTransport(verify=verify, socket_options=sockets.socket_options())
+                self._generation = generation
+            return self._inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        expect = request.extensions.get(EXPECT, self.expect)
+        earlier = request.extensions.get("trace")
+        where = f"{request.url.host}:{request.url.port}"
+
+        def trace(event: str, info: dict[str, object]) -> None:
+            if earlier is not None:
+                earlier(event, info)
+            if event == "connection.start_tls.complete" and self.trust is not None:
+                stream = info.get("return_value")
+                identity, problem = check_peer(stream.get_extra_info("ssl_object"))  # type: ignore[union-attr]
+                if identity is None:
+                    raise PeerUntrusted(f"{where}: {problem}")
+                if expect is not None and identity != expect:
+                    raise PeerError(f"expected {expect.role} {expect.name!r} at {where}, but its certificate "
+                                    f"names {identity.role} {identity.name!r}")
+
+        request.extensions = {**request.extensions, "trace": trace}
+        return self._current().handle_request(request)
+
+    def close(self) -> None:
+        with self._lock:
+            for transport in [*self._retired, *([self._inner] if self._inner is not None else [])]:
+                transport.close()
+            self._retired, self._inner = [], None
+
+
+def party_transport(tls: TLSFiles | None, expect: PeerIdentity | None = None) -> PartyTransport:
+    return PartyTransport(tls, expect)
 
 
 def make_client(
@@ -51,14 +111,16 @@ def make_client(
     caller: PeerIdentity | None = None,
     timeout: float = 60.0,
     base_url: str = "",
+    expect: PeerIdentity | None = None,
 ) -> httpx.Client:
-    """An httpx client for party-to-party calls; ``tls=None`` is plain HTTP (``--insecure`` only)."""
+    """An httpx client for party-to-party calls; ``tls=None`` is plain HTTP (``--insecure`` only). ``expect``: the
+    party every call must reach (a request may name its own in its ``EXPECT`` extension)."""
     headers = {}
     if tls is None and caller is not None:
         headers[CALLER_HEADER] = f"{caller.role}:{caller.name}"
     return httpx.Client(
         base_url=base_url,
-        transport=party_transport(tls),
+        transport=party_transport(tls, expect),
         headers=headers,
         timeout=httpx.Timeout(timeout, connect=10.0),
         trust_env=False,  # party traffic never goes through a proxy from the environment
@@ -106,24 +168,38 @@ class _Connection(http.client.HTTPConnection):
 
     def __init__(self, host: str, port: int, timeout: float, tls: TLSFiles | None, expect: PeerIdentity) -> None:
         super().__init__(host, port, timeout=timeout)
-        self.context = client_ssl_context(tls) if tls is not None else None
+        self.trust = trust_for(tls) if tls is not None else None
         self.expect = expect
+        self.peer: tuple[x509.Name, int] | None = None  # the connected peer's certificate: issuer, serial
 
     def connect(self) -> None:
         sock: socket.socket = sockets.connect(self.host, self.port, self.timeout)  # type: ignore[arg-type]
         try:
-            if self.context is not None:
-                sock = self.context.wrap_socket(sock, server_hostname=self.host)
+            if self.trust is not None:
+                self.trust.refresh()
+                sock = self.trust.client_context().wrap_socket(sock, server_hostname=self.host)
                 identity, problem = check_peer(sock)  # type: ignore[arg-type]
                 if identity is None:
                     raise PeerUntrusted(f"{self.host}:{self.port}: {problem}")
                 if identity != self.expect:
                     raise PeerError(f"expected {self.expect.role} {self.expect.name!r} at {self.host}:{self.port}, "
                                     f"but its certificate names {identity}")
+                cert = x509.load_der_x509_certificate(sock.getpeercert(True))  # type: ignore[attr-defined]
+                self.peer = (cert.issuer, cert.serial_number)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+
+    def check_still_trusted(self) -> None:
+        """Before a request on a kept connection: refused if the peer's certificate was revoked since it connected
+        (nothing is sent to it), or dropped to reconnect under new files (a renewal) if they changed."""
+        if self.trust is None or self.sock is None or self.peer is None:
+            return
+        if self.trust.revoked(*self.peer):
+            self.close()
+            raise PeerUntrusted(f"{self.host}:{self.port}: its certificate for {self.expect.role} "
+                                f"{self.expect.name!r} has been revoked")
 
 
 class StepConnection:
@@ -160,6 +236,7 @@ class StepConnection:
         if self._pending is not None:
             self.connection.close()  # its answer was never read: the connection is mid-response
         self._pending = None
+        self.connection.check_still_trusted()
         try:
             self.connection.request("POST", path, body, {**self.headers, "content-type": content_type})
         except (OSError, http.client.HTTPException) as exc:

@@ -134,10 +134,12 @@ class TLSHandshake(asyncio.Protocol):
         # Runs after start_tls has made its TLS protocol the transport's, before that protocol starts.
         loop.call_soon(self._replay, transport)
         try:
-            if (trust := trust_of(self._context)) is not None:
+            context = self._context
+            if (trust := trust_of(context)) is not None:
                 trust.refresh()  # a renewed certificate, CA bundle or revocation list, before this handshake
+                context = trust.server_context()
             secure = await loop.start_tls(
-                transport, protocol, self._context, server_side=True, ssl_handshake_timeout=self._timeout
+                transport, protocol, context, server_side=True, ssl_handshake_timeout=self._timeout
             )
         except (OSError, asyncio.TimeoutError, EOFError, RuntimeError) as exc:  # RuntimeError: closed meanwhile
             REFUSALS.labels("handshake").inc()

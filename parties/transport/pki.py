@@ -165,7 +165,12 @@ def describe(cert: x509.Certificate) -> str:
     who = f"CA {cn!r}" if is_ca else f"{ou} {cn!r}"
     issuer = _one(cert.issuer, NameOID.COMMON_NAME)
     left = (cert.not_valid_after_utc - _now()).days
-    return (f"{who}, issued by {issuer!r}, serial {cert.serial_number:x}, valid until "
+    try:
+        hosts = ", for " + ", ".join(str(h.value) for h in
+                                     cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        hosts = ""
+    return (f"{who}{hosts}, issued by {issuer!r}, serial {cert.serial_number:x}, valid until "
             f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC ({left} days)")
 
 
@@ -210,9 +215,10 @@ def make_ca(out_dir: Path, name: str, *, days: int = 1825, organisation: str | N
     return out / "ca.pem"
 
 
-def sign_request(ca_dir: Path, csr_path: Path, out: Path, *, days: int = 365,
+def sign_request(ca_dir: Path, csr_path: Path, out: Path | None = None, *, days: int = 365,
                  not_before: dt.datetime | None = None) -> Issued:
-    """The CA in ``ca_dir`` signs the request in ``csr_path``: the certificate goes to ``out``.
+    """The CA in ``ca_dir`` signs the request in ``csr_path``: the certificate goes to ``out`` (default: the
+    party's name, ``NAME.pem``, beside the request), never over an existing file.
 
     The request must be signed by its own key, name exactly one party (CN) and one role (OU), and name its
     hosts; the CA copies those and nothing else (no extension of the request is trusted).
@@ -237,15 +243,23 @@ def sign_request(ca_dir: Path, csr_path: Path, out: Path, *, days: int = 365,
         san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         raise ConfigError(f"{csr_path}: the request names no host (make it with `pki request --host ...`)") from None
+    for entry in san:  # host names and addresses, each one host: no wildcard, no URI, no other kind of name
+        if not isinstance(entry, (x509.DNSName, x509.IPAddress)) or "*" in str(entry.value):
+            raise ConfigError(f"{csr_path}: the request names {entry.value!r} as a host; a party certificate names "
+                              "host names (no wildcard) and IP addresses only")
     if days < 1:
         raise ConfigError("--days must be at least 1")
     start = not_before or _now() - _SKEW
     end = min(start + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
     organisation = _one(csr.subject, NameOID.ORGANIZATION_NAME) or "Cutlayer party"
+    out = Path(out) if out is not None else Path(csr_path).parent / f"{name}.pem"
+    if out.exists():
+        raise ConfigError(f"{out} already exists: a certificate is never written over a file (move it away, or "
+                          f"give --out)")
     cert = _party_certificate(ca_cert, ca_key, _name(name, role, organisation), public_key, san,
                               not_before=start, not_after=end)
-    atomic_write_bytes(Path(out), cert.public_bytes(serialization.Encoding.PEM))
-    return Issued(Path(out), cert)
+    atomic_write_bytes(out, cert.public_bytes(serialization.Encoding.PEM))
+    return Issued(out, cert)
 
 
 def revoke(ca_dir: Path, certificate: Path, *, days: int = 30) -> tuple[Path, int]:
@@ -275,6 +289,10 @@ def revoke(ca_dir: Path, certificate: Path, *, days: int = 30) -> tuple[Path, in
     return crl_path, len(revoked)
 
 
+def _same_name(a: x509.Name, b: x509.Name) -> bool:
+    return " ".join(a.rfc4514_string().casefold().split()) == " ".join(b.rfc4514_string().casefold().split())
+
+
 def bundle(out: Path, ca_files: Iterable[Path]) -> list[x509.Certificate]:
     """The CA certificates a party trusts, in one file (its ``--tls-ca``): each a CA, no two with one name
     (a peer's CA is told by its name, and two of a name could speak for each other)."""
@@ -283,7 +301,7 @@ def bundle(out: Path, ca_files: Iterable[Path]) -> list[x509.Certificate]:
         for cert in read_pem_certificates(path):
             if not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
                 raise ConfigError(f"{path}: {describe(cert)} is not a CA certificate")
-            if any(c.subject == cert.subject for c in certs):
+            if any(_same_name(c.subject, cert.subject) for c in certs):
                 raise ConfigError(f"{path}: two CA certificates are named {cert.subject.rfc4514_string()!r}")
             certs.append(cert)
     if len(certs) < 1:

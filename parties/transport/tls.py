@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import NameOID
 
 from parties.errors import ConfigError
@@ -137,14 +138,29 @@ def _crls(path: Path) -> list[x509.CertificateRevocationList]:
         raise ConfigError(f"revocation list {path} is damaged ({exc})") from None
 
 
+def _same_name(a: x509.Name, b: x509.Name) -> bool:
+    """Names as OpenSSL compares them when it looks for an issuer: case and runs of spaces do not count."""
+    return " ".join(a.rfc4514_string().casefold().split()) == " ".join(b.rfc4514_string().casefold().split())
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether ``ca`` itself signed ``cert`` (its key, not a CA that took its name)."""
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class _Policy:
-    """What the files said when last read: whose certificates a peer may hold, and which are revoked."""
+    """What the files said when last read: which CA may issue whose certificate, and which are revoked."""
 
     own: x509.Certificate
-    own_issuer: x509.Name
-    pins: dict[str, x509.Name]
+    own_ca: x509.Certificate | None  # the trusted CA that signed this party's certificate, if one did
+    pins: dict[str, x509.Certificate]
     revoked: dict[x509.Name, frozenset[int]] = field(default_factory=dict)
+    lists: dict[x509.Name, dt.datetime] = field(default_factory=dict)  # each CA's list: when it was issued
 
 
 def _days_left(cert: x509.Certificate) -> float:
@@ -153,17 +169,24 @@ def _days_left(cert: x509.Certificate) -> float:
 
 class Trust:
     """A party's TLS files, read and kept current: its SSL contexts, and whether a verified peer may be who it
-    says (module docstring). One per set of files in a process (``trust_for``)."""
+    says (module docstring). One per set of files in a process (``trust_for``).
+
+    A change to the files makes new contexts (``generation`` counts them): a live context is never changed
+    under a handshake, and a connection made before keeps the context it was made with. New connections,
+    and clients that see the generation change, take the new ones.
+    """
 
     def __init__(self, files: TLSFiles) -> None:
         files.check()
         self.files = files
         self._lock = threading.Lock()
-        self._contexts: list[ssl.SSLContext] = []
         self._warned: set[tuple[str, int]] = set()
         self._checked = time.monotonic()
         self._signature = self._stat()
-        self.policy = self._read()
+        self.policy = self._read(None)
+        self._server = self._context(ssl.Purpose.CLIENT_AUTH)
+        self._client = self._context(ssl.Purpose.SERVER_AUTH)
+        self.generation = 0
 
     # --- reading the files ----------------------------------------------------------------------------------
     def _paths(self) -> list[Path]:
@@ -180,24 +203,39 @@ class Trust:
                 out.append(None)
         return tuple(out)
 
-    def _read(self) -> _Policy:
+    def _read(self, before: _Policy | None) -> _Policy:
         f = self.files
         own = _certificates(f.cert, "certificate")[0]
-        left = _days_left(own)
-        if left <= 0:
+        if _days_left(own) <= 0:
             raise ConfigError(f"this party's certificate {f.cert} expired on {own.not_valid_after_utc:%Y-%m-%d}: "
                               f"renew it (python -m parties pki request, then have the CA sign it)")
         cas = _certificates(f.ca, "CA certificate")
-        subjects = [c.subject for c in cas]
-        if len(set(subjects)) != len(subjects):
-            raise ConfigError(f"{f.ca}: two CA certificates of one name; a peer's CA is told by its name")
-        pins: dict[str, x509.Name] = {}
+        for i, ca in enumerate(cas):
+            if any(_same_name(ca.subject, other.subject) for other in cas[:i]):
+                raise ConfigError(f"{f.ca}: two CA certificates named {_label(ca.subject)} (case and spaces aside); "
+                                  f"a peer's CA is told by its name")
+        own_ca = next((ca for ca in cas if _issued_by(own, ca)), None)  # None: every peer must be pinned
+        pins: dict[str, x509.Certificate] = {}
         for name, path in f.pins:
             pinned = _certificates(path, f"the CA pinned for {name!r}")
-            if len(pinned) != 1 or pinned[0].subject not in subjects:
+            if len(pinned) != 1 or pinned[0] not in cas:
                 raise ConfigError(f"--tls-pin {name}={path}: give one CA certificate that is also in {f.ca}")
-            pins[name] = pinned[0].subject
-        revoked: dict[x509.Name, set[int]] = {}
+            pins[name] = pinned[0]
+        revoked, lists = self._revocations(cas, before)
+        for cert, what in ((own, f"this party's certificate {f.cert}"),
+                           *((c, f"the CA {_label(c.subject)} in {f.ca}") for c in cas)):
+            if (days := _days_left(cert)) < f.warn_days:
+                logger.warning("%s expires in %.0f days (%s): renew it before then", what, max(days, 0),
+                               f"{cert.not_valid_after_utc:%Y-%m-%d}")
+        return _Policy(own, own_ca, pins, revoked, lists)
+
+    def _revocations(self, cas: list[x509.Certificate], before: _Policy | None
+                     ) -> tuple[dict[x509.Name, frozenset[int]], dict[x509.Name, dt.datetime]]:
+        """Each CA's revoked serials. A list only ever gives way to a newer one of the same CA: a file that is
+        gone, or holds an older list or none from a CA, keeps what was revoked before (and says so)."""
+        f = self.files
+        revoked: dict[x509.Name, frozenset[int]] = {}
+        lists: dict[x509.Name, dt.datetime] = {}
         if f.crl is not None and Path(f.crl).exists():
             for crl in _crls(f.crl):
                 issuer = next((c for c in cas if c.subject == crl.issuer), None)
@@ -208,13 +246,16 @@ class Trust:
                     logger.warning("revocation list of %s in %s was due for renewal on %s: ask its CA for a new one "
                                    "(python -m parties pki revoke re-signs it)", _label(crl.issuer), f.crl,
                                    f"{crl.next_update_utc:%Y-%m-%d}")
-                revoked.setdefault(crl.issuer, set()).update(r.serial_number for r in crl)
-        for cert, what in ((own, f"this party's certificate {f.cert}"),
-                           *((c, f"the CA {_label(c.subject)} in {f.ca}") for c in cas)):
-            if (days := _days_left(cert)) < f.warn_days:
-                logger.warning("%s expires in %.0f days (%s): renew it before then", what, max(days, 0),
-                               f"{cert.not_valid_after_utc:%Y-%m-%d}")
-        return _Policy(own, own.issuer, pins, {k: frozenset(v) for k, v in revoked.items()})
+                revoked[crl.issuer] = revoked.get(crl.issuer, frozenset()) | {r.serial_number for r in crl}
+                lists[crl.issuer] = max(crl.last_update_utc, lists.get(crl.issuer, crl.last_update_utc))
+        if before is not None:
+            for issuer, serials in before.revoked.items():
+                if issuer not in lists or lists[issuer] < before.lists.get(issuer, lists[issuer]):
+                    logger.warning("revocation list of %s: %s; the %d revocations read before stay in force",
+                                   _label(issuer), "gone from the file" if issuer not in lists else "older than the "
+                                   "one read before", len(serials))
+                    revoked[issuer], lists[issuer] = serials, before.lists[issuer]
+        return revoked, lists
 
     def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=str(self.files.ca))
@@ -225,18 +266,16 @@ class Trust:
             raise ConfigError(f"{self.files.key} is not the key of {self.files.cert} ({exc.reason})") from None
         if purpose is ssl.Purpose.CLIENT_AUTH:
             ctx.verify_mode = ssl.CERT_REQUIRED
-        with self._lock:
-            self._contexts.append(ctx)
         _TRUSTS[ctx] = self
         return ctx
 
     def server_context(self) -> ssl.SSLContext:
-        """TLS 1.2+, requiring a client certificate from a trusted CA."""
-        return self._context(ssl.Purpose.CLIENT_AUTH)
+        """The current server context: TLS 1.2+, requiring a client certificate from a trusted CA."""
+        return self._server
 
     def client_context(self) -> ssl.SSLContext:
-        """TLS 1.2+, verifying the server against the trusted CAs and presenting this party's certificate."""
-        return self._context(ssl.Purpose.SERVER_AUTH)
+        """The current client context: TLS 1.2+, verifying the server against the trusted CAs."""
+        return self._client
 
     def refresh(self) -> None:
         """Re-read the files if one changed (looked at once a second at most); a set that does not load (a
@@ -253,14 +292,13 @@ class Trust:
                 return
             self._signature = signature
             try:
-                policy = self._read()
-                for ctx in self._contexts:
-                    ctx.load_cert_chain(str(self.files.cert), str(self.files.key))
-                    ctx.load_verify_locations(cafile=str(self.files.ca))
+                policy = self._read(self.policy)
+                server, client = self._context(ssl.Purpose.CLIENT_AUTH), self._context(ssl.Purpose.SERVER_AUTH)
             except (ConfigError, ssl.SSLError, OSError, ValueError) as exc:
                 logger.warning("TLS files changed but do not load (%s); the ones loaded before stay in use", exc)
                 return
-            self.policy = policy
+            self.policy, self._server, self._client = policy, server, client
+            self.generation += 1
             revoked = sum(map(len, policy.revoked.values()))
             logger.info("TLS files reloaded: certificate %s (serial %x) valid until %s; %d revoked", self.files.cert,
                         policy.own.serial_number, f"{policy.own.not_valid_after_utc:%Y-%m-%d}", revoked)
@@ -279,11 +317,15 @@ class Trust:
             return None, (f"its certificate must name exactly one Cutlayer party (CN) and one role (OU: "
                           f"{', '.join(ROLES)}); it names {cert.subject.rfc4514_string()!r}")
         policy = self.policy
-        expected = policy.pins.get(name, policy.own_issuer)
-        if cert.issuer != expected:
+        expected = policy.pins.get(name, policy.own_ca)
+        if expected is None:
+            return None, (f"{role} {name!r} is not pinned (--tls-pin NAME=CA_FILE), and the CA of this party's own "
+                          f"certificate is not among those it trusts")
+        # Signed by that CA's own key: a name is not enough (another CA, or an intermediate it made, can take it).
+        if not _issued_by(cert, expected):
             how = "is pinned to" if name in policy.pins else "is not pinned (--tls-pin NAME=CA_FILE), so it must come from"
-            return None, (f"its certificate for {role} {name!r} is issued by {_label(cert.issuer)}; {name!r} {how} "
-                          f"{_label(expected)}")
+            return None, (f"its certificate for {role} {name!r} is issued by {_label(cert.issuer)}, not signed by "
+                          f"the CA {name!r} {how}: {_label(expected.subject)}")
         if cert.serial_number in policy.revoked.get(cert.issuer, ()):
             return None, f"its certificate for {role} {name!r} (serial {cert.serial_number:x}) is revoked"
         if (days := _days_left(cert)) < self.files.warn_days and (name, cert.serial_number) not in self._warned:
