@@ -22,7 +22,7 @@ from pydantic_settings import (
 )
 
 from parties.errors import ConfigError
-from parties.flags import Flag, flag_for
+from parties.flags import Flag, flag_for, settings_table
 from parties.tables.ids import IdType
 from parties.transport.tls import NAME, Role, TLSFiles, is_loopback
 
@@ -253,6 +253,10 @@ def load_settings(cls: type[ServiceSettings], config_file: Path | None = None, *
     _check_transport_flags(cls, values)
     given = {k: v for k, v in values.items() if v is not None}
     in_file = read_config_file(config_file) if config_file is not None else {}
+    # A mapping given as flags (--tls-pin, --partner, ...) replaces the file's, as any other setting does; only a
+    # group of settings (a table: [bottom]) takes some keys from each.
+    in_file = {k: v for k, v in in_file.items()
+               if k not in given or (k in cls.model_fields and settings_table(cls.model_fields[k]) is not None)}
 
     def where(loc: tuple[int | str, ...]) -> str:
         if loc and loc[0] in in_file and loc[0] not in given:

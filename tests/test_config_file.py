@@ -127,3 +127,16 @@ def test_the_deployment_guides_example_files_are_settings_each_service_takes(tmp
         config.write_text(block)
         loaded = load_settings(model, config)
         assert loaded.name == name and loaded.tls_pin and loaded.port in (8443, 8444)
+
+
+def test_a_mapping_given_as_flags_replaces_the_files(tmp_path, pki) -> None:
+    """A pin in the file and another on the command line: the command line's alone, as for any setting (a
+    file's pin left beside it would widen which CA may speak for a peer)."""
+    config = tmp_path / "partner.toml"
+    config.write_text(f'name = "partner"\ndata = "p.csv"\ntls_dir = "{pki}"\n'
+                      f'tls_pin = {{"bank" = "{pki / "ca.pem"}", "bank2" = "{pki / "ca.pem"}"}}\n'
+                      f'[bottom]\nlearning_rate = 0.5\nhidden = [8]\n')
+    assert set(settings(["--config", str(config)]).tls_pin) == {"bank", "bank2"}
+    flagged = settings(["--config", str(config), "--tls-pin", f"bank={pki / 'ca.pem'}", "--lr", "0.25"])
+    assert flagged.tls_pin == {"bank": pki / "ca.pem"}
+    assert (flagged.bottom.learning_rate, flagged.bottom.hidden) == (0.25, (8,))  # a table takes from both
