@@ -16,14 +16,7 @@ from bank.configurations.commands import add_configuration_commands
 from bank.configurations.split_run import ConfigurationSettings
 from bank.settings import BankSettings, share
 from data.uci import CACHE_HELP
-from parties.cli import (
-    add_log_level,
-    add_service_arguments,
-    command,
-    configure_logging,
-    description,
-    run_cli,
-)
+from parties.cli import add_log_level, add_service_arguments, command, configure_logging, description, run_cli
 from parties.flags import add_flags
 from parties.learning.config import BottomConfig, PartnerDefenses
 

@@ -29,13 +29,7 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 import httpx
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_before_delay,
-    wait_exponential,
-)
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_before_delay, wait_exponential
 
 from parties.errors import (
     AlignmentMismatch,

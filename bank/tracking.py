@@ -21,11 +21,14 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parties.errors import ConfigError
 
-__all__ = ["CUSTOMER_FILES", "available", "local_store", "log_run"]
+if TYPE_CHECKING:
+    from bank.settings import BankSettings
+
+__all__ = ["CUSTOMER_FILES", "available", "local_store", "log_run", "track"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +115,20 @@ def log_run(run_dir: Path, uri: str, *, experiment: str = "cutlayer", artifacts:
         raise
     client.set_terminated(run_id)
     return run_id
+
+
+def track(run_dir: Path, settings: BankSettings) -> dict[str, str]:
+    """Log a finished run as the bank's settings say (``--mlflow``, ``--mlflow-uri``): ``{"uri", "run_id"}``, or
+    ``{"uri", "error"}`` when it could not be logged (the run stays finished; the log says why too)."""
+    if settings.mlflow_uri:
+        uri, artifacts = settings.mlflow_uri, None
+    else:
+        uri, artifacts = local_store(settings.state_path)
+    try:
+        run_id = log_run(run_dir, uri, experiment=settings.mlflow_experiment, artifacts=artifacts,
+                         customer_files=settings.mlflow_customer_files)
+    except Exception as exc:  # the tracking store's trouble, not the training's
+        logger.warning("the run %s was not logged to MLflow at %s: %s", run_dir.name, uri, exc)
+        return {"uri": uri, "error": f"{type(exc).__name__}: {exc}"}
+    logger.info("run %s logged to MLflow at %s as %s", run_dir.name, uri, run_id)
+    return {"uri": uri, "run_id": run_id}

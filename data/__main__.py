@@ -181,13 +181,7 @@ def _branches_command(args: argparse.Namespace) -> int:
 
 
 def _partition_command(args: argparse.Namespace) -> int:
-    from data.partition import (
-        PartitionSpec,
-        PartySpec,
-        partition,
-        read_source_csv,
-        write_partition,
-    )
+    from data.partition import PartitionSpec, PartySpec, partition, read_source_csv, write_partition
 
     if not args.party:
         raise ConfigError("give at least one --party NAME=COL,COL")

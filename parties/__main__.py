@@ -12,10 +12,11 @@ from pathlib import Path
 
 from parties.cli import command, configure_logging, description, run_cli
 from parties.errors import ConfigError, LogTampered
-from parties.storage.session_log import verify_log
 from parties.storage.files import atomic_write_bytes
+from parties.storage.session_log import verify_log
 from parties.transport import pki
 from parties.transport.tls import DEFAULT_HOSTS, ROLES
+from parties.transport.trust import read_certificates
 
 #: The integer fields a summary line adds up: what a PSI session's peer declared, sent, and what came of it.
 SUMMED = ("declared", "received", "result")
@@ -123,7 +124,7 @@ def _pki_bundle(args: argparse.Namespace) -> int:
 
 def _pki_show(args: argparse.Namespace) -> int:
     for path in args.certs:
-        for cert in pki.read_pem_certificates(path):
+        for cert in read_certificates(path, "certificate"):
             print(f"{path}: {pki.describe(cert)}")
     return 0
 

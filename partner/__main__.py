@@ -6,13 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parties.cli import (
-    add_service_arguments,
-    command,
-    configure_logging,
-    description,
-    run_cli,
-)
+from parties.cli import add_service_arguments, command, configure_logging, description, run_cli
 
 #: A compute party holds no table: none of a table's settings.
 _TABLE = ("data", "id_column", "id_type", "schema_file", "categorical", "numeric")

@@ -16,12 +16,7 @@ from parties.protocol import control, psi, scoring, training
 from parties.protocol.common import OCTET_STREAM
 from parties.protocol.wire import SAFETENSORS
 from parties.tables.table import PartyTable
-from parties.transport.app import (
-    create_party_app,
-    read_body,
-    require_role,
-    require_self,
-)
+from parties.transport.app import create_party_app, read_body, require_role, require_self
 from parties.transport.hot_routes import HotRequest, HotResponse, HotRoute
 from parties.transport.tls import PeerIdentity
 from partner.core import WAIT_SECONDS, PartnerCore

@@ -13,7 +13,6 @@ from fastapi import APIRouter, FastAPI
 from starlette.datastructures import State
 
 from parties.errors import Forbidden, OutOfOrder
-from partner.settings import PartnerSettings
 from parties.transport.access import identify
 from parties.transport.app import create_party_app
 from parties.transport.client import make_client
@@ -22,6 +21,7 @@ from parties.transport.hot_routes import HotPath, HotRequest, HotResponse, HotRo
 from parties.transport.server import ServerThread
 from parties.transport.stock import Connections
 from parties.transport.tls import PeerIdentity, TLSFiles
+from partner.settings import PartnerSettings
 
 LIMIT = 1 << 16
 

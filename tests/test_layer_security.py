@@ -29,12 +29,11 @@ from bank.configurations import layer_peer
 from bank.configurations.layer_peer import LayerPeer
 from parties.errors import OutOfOrder, OverBudget, PeerError, PeerUntrusted, QuotaExceeded, UnknownSession
 from parties.learning.config import OptimizerConfig
+from parties.limits import BankQuotas
 from parties.protocol import layers
 from parties.protocol.common import fill
 from parties.protocol.layers import LayerStart
 from parties.protocol.wire import SAFETENSORS, encode
-from parties.limits import BankQuotas
-from partner.settings import BranchSettings, ComputeSettings
 from parties.storage.quota import FOLDER_BYTES
 from parties.tables.encoding import TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
@@ -43,6 +42,7 @@ from parties.transport.server import ServerThread
 from parties.transport.tls import TLSFiles
 from partner import layer_service
 from partner.layer_service import create_layer_app
+from partner.settings import BranchSettings, ComputeSettings
 
 ROWS = 300  # the branch's customers
 LIMITS = {"max_sessions": 3, "max_width": 256, "max_parameters": 100_000, "max_batch_rows": 512,

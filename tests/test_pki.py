@@ -25,7 +25,8 @@ from parties.errors import ConfigError
 from parties.protocol.common import IDENTITY
 from parties.transport import pki
 from parties.transport.client import make_client
-from parties.transport.tls import RELOAD_SECONDS, TLSFiles, client_ssl_context
+from parties.transport.tls import TLSFiles, client_ssl_context
+from parties.transport.trust import RELOAD_SECONDS
 
 
 @pytest.fixture()
@@ -189,7 +190,7 @@ def test_a_certificate_renewed_under_a_running_training_is_served_without_a_rest
         while "TLS files reloaded" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    caplog.set_level(logging.INFO, logger="parties.transport.tls")
+    caplog.set_level(logging.INFO, logger="parties.transport.trust")
     result = train_briefly(bank.url, files["bank"], epochs=30, batch_size=32, on_progress=renew)
     finished = time.time()
     assert renewed.is_set() and result["epochs_run"] == 30
@@ -241,7 +242,7 @@ def test_another_organisations_ca_cannot_take_the_name_of_mine(tmp_path, partiti
     case: neither speaks for the bank."""
     from cryptography.hazmat.primitives import serialization
 
-    from parties.transport.tls import Trust
+    from parties.transport.trust import Trust
 
     files = provision(tmp_path, {"bank": "bank-ca", "partner": "bank-ca"})
     telco_ca, telco_key = _ca("Telco root", None)  # no path length: it may make intermediates
@@ -315,7 +316,7 @@ def test_the_banks_operator_talks_only_to_the_bank_service(tmp_path, partition, 
 
 
 def test_a_revocation_stays_when_its_list_goes_or_an_older_one_comes(tmp_path):
-    from parties.transport.tls import Trust
+    from parties.transport.trust import Trust
 
     files = provision(tmp_path, {"bank": "one", "partner": "one"})
     crl = tmp_path / "one" / "crl.pem"

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from parties.storage.layout import bank_folder, model_folder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,7 @@ from pathlib import Path
 from bank.config import TrainingConfig
 from bank.lab import commands as lab_commands
 from data.uci import CACHE_HELP
-from parties.cli import (
-    add_log_level,
-    command,
-    configure_logging,
-    description,
-    number,
-    run_cli,
-)
+from parties.cli import add_log_level, command, configure_logging, description, number, run_cli
 from parties.flags import add_flags
 
 

@@ -13,25 +13,25 @@ from typing import Any
 
 import httpx
 
-from alignment.parallel import WorkerPool
 from alignment.exposure import Exposure
+from alignment.parallel import WorkerPool
 from alignment.partnership import Partnership
-from bank.service.aligner import align_with_partners
 from bank.config import TrainingConfig
-from bank.vertical.http_partner import HttpPartner
-from bank.vertical.in_process_party import InProcessParty
 from bank.scoring.manifest import read_manifest
-from bank.vertical.results import write_run
 from bank.scoring.scorer import score_customers
 from bank.scoring.subsets import train_subset_models
+from bank.service.aligner import align_with_partners
+from bank.settings import BankSettings
 from bank.task import Task
 from bank.vertical.coordinator import Coordinator, TrainingOutcome
+from bank.vertical.http_partner import HttpPartner
+from bank.vertical.in_process_party import InProcessParty
+from bank.vertical.results import write_run
 from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
-from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.learning.trained_bottom import ScoringBottom
-from bank.settings import BankSettings
-from parties.tables.drift import judge_drift
+from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
 from parties.storage.files import atomic_write_bytes, atomic_write_text
+from parties.tables.drift import judge_drift
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
 from parties.transport.client import StepConnection, client_for
 from parties.transport.jobs import Job, JobRunner, Progress
@@ -242,24 +242,11 @@ class BankCore:
                    "columns": [self.table.id_column, *self.table.schema.columns]}
         result = {"run_dir": str(run_dir), **metrics, "scoring": scoring, "positive_label": task.positive_label}
         if self.settings.tracks_runs:
+            from bank.tracking import track
+
             progress("finishing: logging the run to MLflow", None)
-            result["mlflow"] = self._track(run_dir)
+            result["mlflow"] = track(run_dir, self.settings)
         return result
-
-    def _track(self, run_dir: Path) -> dict[str, str]:
-        """Log a finished run to MLflow; a failure is reported, and the run stays finished."""
-        from bank.tracking import local_store, log_run
-
-        s = self.settings
-        uri, artifacts = (s.mlflow_uri, None) if s.mlflow_uri else local_store(s.state_path)
-        try:
-            run_id = log_run(run_dir, uri, experiment=s.mlflow_experiment, artifacts=artifacts,
-                             customer_files=s.mlflow_customer_files)
-        except Exception as exc:  # the tracking store's trouble, not the training's
-            logger.warning("the run %s was not logged to MLflow at %s: %s", run_dir.name, uri, exc)
-            return {"uri": uri, "error": f"{type(exc).__name__}: {exc}"}
-        logger.info("run %s logged to MLflow at %s as %s", run_dir.name, uri, run_id)
-        return {"uri": uri, "run_id": run_id}
 
     def _release_abandoned(self, partners: list[HttpPartner]) -> None:
         """Unload, at each partner, this bank's sessions that no job of this process runs: what a crash

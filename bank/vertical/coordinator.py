@@ -33,14 +33,7 @@ from bank.vertical.party import TrainingParty
 from bank.vertical.recovery import Recovery
 from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.vertical.state import LoopState
-from parties.errors import (
-    Behind,
-    CutlayerError,
-    PeerError,
-    PeerUnavailable,
-    StorageError,
-    UnknownSession,
-)
+from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
 from parties.learning.model import build_optimizer, mlp
 from parties.learning.secret import Secret

@@ -17,8 +17,8 @@ import pandas as pd
 from safetensors.numpy import save as save_tensors
 
 from parties.errors import DataError
-from parties.storage.files import atomic_write_bytes
 from parties.learning.config import TaskKind
+from parties.storage.files import atomic_write_bytes
 from parties.tables.ids import IdError, IdType, canonical_ids, id_formats, infer_id_type
 from parties.tables.labels import check_labels, label_text
 from parties.tables.schema import (

@@ -23,15 +23,10 @@ from parties.errors import CutlayerError, Forbidden
 from parties.observability import count_exchange
 from parties.protocol.common import HEALTH, IDENTITY, READY, Identity
 from parties.settings import ServiceSettings
-from parties.transport.access import (
-    Refusal,
-    ensure_role,
-    identify,
-    read_limited,
-    refusal,
-)
+from parties.transport.access import Refusal, ensure_role, identify, read_limited, refusal
 from parties.transport.hot_routes import HotPath, HotRoute
-from parties.transport.tls import PeerIdentity, trust_for
+from parties.transport.tls import PeerIdentity
+from parties.transport.trust import trust_for
 
 __all__ = ["PartyApp", "caller", "create_party_app", "ensure_role", "read_body", "require_role", "require_self"]
 

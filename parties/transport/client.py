@@ -26,15 +26,11 @@ from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
 from parties.transport import sockets
-from parties.transport.tls import (
-    PeerIdentity,
-    TLSFiles,
-    check_peer,
-    handshake_failure,
-    trust_for,
-)
+from parties.transport.tls import PeerIdentity, TLSFiles, handshake_failure
+from parties.transport.trust import check_peer, trust_for
 
-__all__ = ["EXPECT", "PartyTransport", "StepConnection", "client_for", "expect_server", "make_client", "party_transport",
+__all__ = ["EXPECT", "PartyTransport", "StepConnection", "client_for", "expect_server", "make_client",
+           "party_transport",
            "server_identity"]
 
 
@@ -69,7 +65,8 @@ class PartyTransport(httpx.BaseTransport):
             if self._inner is None or self._generation != generation:
                 if self._inner is not None:  # requests in flight on it finish; nothing new goes on it
                     self._retired.append(self._inner)
-                verify = self.trust.client_context() if self.trust is not None else True  # plain http: nothing to verify
+                # Plain http (--insecure): nothing to verify.
+                verify = self.trust.client_context() if self.trust is not None else True
                 self._inner = httpx.HTTPTransport(verify=verify, socket_options=sockets.socket_options())
                 self._generation = generation
             return self._inner

@@ -26,7 +26,7 @@ from cryptography import x509
 from parties.errors import ConfigError
 from parties.observability import REFUSALS
 from parties.transport import sockets
-from parties.transport.tls import check_peer, trust_of
+from parties.transport.trust import check_peer, trust_of
 
 __all__ = [
     "TLSHandshake", "Timeouts", "bind_socket", "connection_tls", "handshake_refusal", "no_delay", "peer_address",

@@ -24,13 +24,7 @@ from starlette.routing import compile_path
 
 from parties.errors import CutlayerError, PayloadTooLarge
 from parties.settings import ServiceSettings
-from parties.transport.access import (
-    Refusal,
-    check_declared_length,
-    ensure_role,
-    identify,
-    refusal,
-)
+from parties.transport.access import Refusal, check_declared_length, ensure_role, identify, refusal
 from parties.transport.tls import PeerIdentity
 
 __all__ = ["HotPath", "HotRequest", "HotResponse", "HotRoute"]

@@ -31,9 +31,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from parties.errors import ConfigError
 from parties.storage.files import atomic_write_bytes
 from parties.transport.tls import DEFAULT_HOSTS, NAME, ROLES, TLSFiles
+from parties.transport.trust import name_attribute, party_of, read_certificates, same_name
 
 __all__ = [
-    "Issued", "bundle", "describe", "make_ca", "make_request", "read_pem_certificates", "revoke", "sign_request",
+    "Issued", "bundle", "describe", "make_ca", "make_request", "revoke", "sign_request",
     "write_dev_pki",
 ]
 
@@ -123,18 +124,8 @@ def _party_certificate(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivat
 
 # --- reading ------------------------------------------------------------------------------------------------
 
-def read_pem_certificates(path: Path) -> list[x509.Certificate]:
-    try:
-        certs = x509.load_pem_x509_certificates(Path(path).read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path} holds no PEM certificate ({exc})") from None
-    return certs
-
-
 def _read_certificate(path: Path) -> x509.Certificate:
-    certs = read_pem_certificates(path)
+    certs = read_certificates(path, "certificate")
     if len(certs) != 1:
         raise ConfigError(f"{path} holds {len(certs)} certificates; give a file with one")
     return certs[0]
@@ -153,17 +144,12 @@ def _read_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey
     return cert, key
 
 
-def _one(name: x509.Name, oid: x509.ObjectIdentifier) -> str | None:
-    values = name.get_attributes_for_oid(oid)
-    return str(values[0].value) if len(values) == 1 else None
-
-
 def describe(cert: x509.Certificate) -> str:
     """One line an operator reads: who, what, issued by whom, serial, valid until when."""
-    cn, ou = _one(cert.subject, NameOID.COMMON_NAME), _one(cert.subject, NameOID.ORGANIZATIONAL_UNIT_NAME)
+    cn, ou = party_of(cert.subject)
     is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     who = f"CA {cn!r}" if is_ca else f"{ou} {cn!r}"
-    issuer = _one(cert.issuer, NameOID.COMMON_NAME)
+    issuer = name_attribute(cert.issuer, NameOID.COMMON_NAME)
     left = (cert.not_valid_after_utc - _now()).days
     try:
         hosts = ", for " + ", ".join(str(h.value) for h in
@@ -232,7 +218,7 @@ def sign_request(ca_dir: Path, csr_path: Path, out: Path | None = None, *, days:
         raise ConfigError(f"{csr_path} is not a PEM certificate signing request ({exc})") from None
     if not csr.is_signature_valid:
         raise ConfigError(f"{csr_path}: the request is not signed by the key it names")
-    name, role = _one(csr.subject, NameOID.COMMON_NAME), _one(csr.subject, NameOID.ORGANIZATIONAL_UNIT_NAME)
+    name, role = party_of(csr.subject)
     if name is None or role is None:
         raise ConfigError(f"{csr_path}: the request must name exactly one party (CN) and one role (OU)")
     _check_party(name, role)
@@ -251,7 +237,7 @@ def sign_request(ca_dir: Path, csr_path: Path, out: Path | None = None, *, days:
         raise ConfigError("--days must be at least 1")
     start = not_before or _now() - _SKEW
     end = min(start + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    organisation = _one(csr.subject, NameOID.ORGANIZATION_NAME) or "Cutlayer party"
+    organisation = name_attribute(csr.subject, NameOID.ORGANIZATION_NAME) or "Cutlayer party"
     out = Path(out) if out is not None else Path(csr_path).parent / f"{name}.pem"
     if out.exists():
         raise ConfigError(f"{out} already exists: a certificate is never written over a file (move it away, or "
@@ -289,19 +275,15 @@ def revoke(ca_dir: Path, certificate: Path, *, days: int = 30) -> tuple[Path, in
     return crl_path, len(revoked)
 
 
-def _same_name(a: x509.Name, b: x509.Name) -> bool:
-    return " ".join(a.rfc4514_string().casefold().split()) == " ".join(b.rfc4514_string().casefold().split())
-
-
 def bundle(out: Path, ca_files: Iterable[Path]) -> list[x509.Certificate]:
     """The CA certificates a party trusts, in one file (its ``--tls-ca``): each a CA, no two with one name
     (a peer's CA is told by its name, and two of a name could speak for each other)."""
     certs: list[x509.Certificate] = []
     for path in ca_files:
-        for cert in read_pem_certificates(path):
+        for cert in read_certificates(path, "CA certificate"):
             if not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
                 raise ConfigError(f"{path}: {describe(cert)} is not a CA certificate")
-            if any(_same_name(c.subject, cert.subject) for c in certs):
+            if any(same_name(c.subject, cert.subject) for c in certs):
                 raise ConfigError(f"{path}: two CA certificates are named {cert.subject.rfc4514_string()!r}")
             certs.append(cert)
     if len(certs) < 1:

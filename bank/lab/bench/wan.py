@@ -31,13 +31,7 @@ import pandas as pd
 from pydantic import ValidationError
 
 from bank.config import TrainingConfig
-from bank.lab.bench.netns import (
-    BANK_ADDRESS,
-    PARTNER_ADDRESS,
-    WanLink,
-    emulated_link,
-    privilege_problem,
-)
+from bank.lab.bench.netns import BANK_ADDRESS, PARTNER_ADDRESS, WanLink, emulated_link, privilege_problem
 from bank.lab.bench.training import PARTNER_SEED
 from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
