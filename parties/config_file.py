@@ -8,6 +8,7 @@ A relative path in the file is relative to the folder the service starts in, as 
 
 ``print_config`` writes every setting, commented with its description, its flag and its variable: the
 values given (flags, a ``--config`` file) or else the defaults, a setting without a value commented out.
+The environment's values are not written: they stay the environment's, and still override the file.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from parties.errors import ConfigError
-from parties.flags import flag_for, settings_table
+from parties.flags import flag_for, has_flag, settings_table
 
 __all__ = ["print_config", "read_config_file"]
 
@@ -82,7 +83,9 @@ def _lines(model: type[BaseModel], given: dict[str, Any], root: type[BaseModel],
             tables += ["", f"[{'.'.join(here)}]", *inner, *more]
             continue
         nested_env = len(here) == 1 or root.model_config.get("env_nested_delimiter") == "__"
-        where = flag_for(root, here) + (f", {prefix}{'__'.join(here).upper()}" if nested_env else "")
+        sources = [flag_for(root, here)] if has_flag(info) else ["no flag"]
+        sources += [f"{prefix}{'__'.join(here).upper()}"] if nested_env else []
+        where = ", ".join(sources)
         about = info.description or ""
         plain.append(f"# {about} ({where})" if about else f"# ({where})")
         value = given[name] if name in given else _default(info)
@@ -98,6 +101,6 @@ def print_config(model: type[BaseModel], given: dict[str, Any], command: str) ->
     prefix = str(model.model_config.get("env_prefix", ""))
     plain, tables = _lines(model, given, model, (), prefix)
     head = [f"# {command}: every setting of this service. Start it with --config FILE; a flag, then an environment",
-            f"# variable ({prefix}...), overrides what the file says. Paths are relative to where the service starts.",
-            ""]
+            f"# variable ({prefix}...), overrides what the file says (and no variable is written here). Paths are",
+            "# relative to where the service starts: absolute paths suit a file a system service reads.", ""]
     return "\n".join(head + plain + tables) + "\n"

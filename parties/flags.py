@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-__all__ = ["Flag", "add_flags", "as_flags", "flag_for", "flag_values", "number", "pair", "settings_table", "show"]
+__all__ = ["Flag", "add_flags", "as_flags", "flag_for", "flag_values", "number", "has_flag", "pair", "settings_table", "show"]
 
 #: Where ``add_flags`` keeps a setting's value in the namespace: ``setting:PartnerSettings:bottom.learning_rate``.
 _DEST = "setting:"
@@ -183,6 +183,11 @@ def _add(parser: argparse.ArgumentParser, model: type[BaseModel], dest: str, *, 
             continue
         target.add_argument(_option(meta, name, _prefix), dest=dest + ".".join(path), default=argparse.SUPPRESS,
                             help=_help(info, meta), **_argument(name, info, meta))
+
+
+def has_flag(info: FieldInfo) -> bool:
+    """Whether a setting has a command-line flag (``Flag(cli=False)``: the environment and files only)."""
+    return _meta(info).cli
 
 
 def settings_table(info: FieldInfo) -> type[BaseModel] | None:

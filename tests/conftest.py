@@ -50,7 +50,8 @@ def bank_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (cache_dir() / BANK_FULL_NAME).exists():
         return locate_bank_full(download=False)
     if not SHARED_COPY.exists():
-        pytest.skip(f"bank-full.csv is neither in {cache_dir()} nor at {SHARED_COPY}")
+        pytest.skip(f"bank-full.csv is not in the data cache {cache_dir()} (set CUTLAYER_DATA_DIR to a folder "
+                    f"holding it, or run `python -m data fetch` once to download it)")
     folder = tmp_path_factory.mktemp("data-cache")
     shutil.copy(SHARED_COPY, folder / BANK_FULL_NAME)
     return locate_bank_full(folder, download=False)

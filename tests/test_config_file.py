@@ -49,6 +49,12 @@ def test_print_config_writes_every_setting_and_the_file_starts_the_same_service(
     assert "# (--insecure" not in text and "insecure =" not in text
     assert values["port"] == 8444 and values["bottom"]["learning_rate"] == 0.002
     assert "(--lr, CUTLAYER_PARTNER_BOTTOM__LEARNING_RATE)" in text
+    # Every flag the file names is one the command takes; a setting without a flag says so.
+    serve = partner_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    options = {o for action in serve._actions for o in action.option_strings}
+    named = set(re.findall(r"\((--[\w-]+)", text))
+    assert len(named) > 30 and named <= options, named - options
+    assert "(no flag, CUTLAYER_PARTNER_PRIVACY__SEED)" in text
 
     config = tmp_path / "partner.toml"
     config.write_text(text)

@@ -150,7 +150,7 @@ def describe(cert: x509.Certificate) -> str:
     is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     who = f"CA {cn!r}" if is_ca else f"{ou} {cn!r}"
     issuer = name_attribute(cert.issuer, NameOID.COMMON_NAME)
-    left = (cert.not_valid_after_utc - _now()).days
+    left = round((cert.not_valid_after_utc - _now()).total_seconds() / 86400)
     try:
         hosts = ", for " + ", ".join(str(h.value) for h in
                                      cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
