@@ -118,18 +118,29 @@ class ServiceSettings(BaseSettings):
         with a reason instead of honouring or silently dropping it.
         """
 
-        def without_insecure(source: PydanticBaseSettingsSource) -> Callable[[], dict[str, object]]:
-            def read() -> dict[str, object]:
-                return {k: v for k, v in source().items() if k != "insecure"}
+        # A mapping (--tls-pin, --partner) comes whole from the highest source that sets it, as any other setting
+        # does: merged key by key, a pin left in a file beside the command line's would widen which CA may speak
+        # for a peer. Only a group of settings (a table: [bottom]) takes some keys from each source.
+        mappings = {name for name, info in cls.model_fields.items()
+                    if settings_table(info) is None and isinstance(_default_of(info), dict)}
+        sources: list[Callable[[], dict[str, object]]] = [init_settings]
 
-            read.__name__ = type(source).__name__
+        def below(source: Callable[[], dict[str, object]], name: str) -> Callable[[], dict[str, object]]:
+            higher = list(sources)
+
+            def read() -> dict[str, object]:
+                taken = {k for s in higher for k in s() if k in mappings}
+                return {k: v for k, v in source().items() if k != "insecure" and k not in taken}
+
+            read.__name__ = name
             return read
 
         def config_file() -> dict[str, object]:  # --config FILE: below the environment (parties.config_file)
             return _FILE_VALUES.get()
 
-        return (init_settings, without_insecure(env_settings), without_insecure(dotenv_settings), config_file,
-                file_secret_settings)
+        for source, name in ((env_settings, "environment"), (dotenv_settings, "dotenv"), (config_file, "config file")):
+            sources.append(below(source, name))
+        return (*sources, file_secret_settings)
 
     @model_validator(mode="after")
     def _metrics_on_loopback(self) -> ServiceSettings:
@@ -182,6 +193,13 @@ class ServiceSettings(BaseSettings):
     @property
     def cache_dir(self) -> Path:
         return self.state_path / "psi-cache"
+
+
+def _default_of(info: object) -> object:
+    try:
+        return info.get_default(call_default_factory=True)  # type: ignore[attr-defined]
+    except Exception:  # a required field, or a factory that needs the other values
+        return None
 
 
 def describe_problems(exc: ValidationError, where: Callable[[tuple[int | str, ...]], str]) -> str:
@@ -249,10 +267,6 @@ def load_settings(cls: type[ServiceSettings], config_file: Path | None = None, *
     _check_transport_flags(cls, values)
     given = {k: v for k, v in values.items() if v is not None}
     in_file = read_config_file(config_file) if config_file is not None else {}
-    # A mapping given as flags (--tls-pin, --partner, ...) replaces the file's, as any other setting does; only a
-    # group of settings (a table: [bottom]) takes some keys from each.
-    in_file = {k: v for k, v in in_file.items()
-               if k not in given or (k in cls.model_fields and settings_table(cls.model_fields[k]) is not None)}
 
     def where(loc: tuple[int | str, ...]) -> str:
         if loc and loc[0] in in_file and loc[0] not in given:

@@ -146,3 +146,17 @@ def test_a_mapping_given_as_flags_replaces_the_files(tmp_path, pki) -> None:
     flagged = settings(["--config", str(config), "--tls-pin", f"bank={pki / 'ca.pem'}", "--lr", "0.25"])
     assert flagged.tls_pin == {"bank": pki / "ca.pem"}
     assert (flagged.bottom.learning_rate, flagged.bottom.hidden) == (0.25, (8,))  # a table takes from both
+
+
+def test_a_mapping_comes_whole_from_the_highest_source_that_sets_it(tmp_path, pki, monkeypatch) -> None:
+    """The environment's partners do not merge with the file's, nor the flags' with the environment's."""
+    from bank.settings import BankSettings
+    from parties.settings import load_settings
+
+    config = tmp_path / "bank.toml"
+    config.write_text(f'name = "bank"\ndata = "b.csv"\ntls_dir = "{pki}"\n'
+                      f'partners = {{"stale" = "https://127.0.0.1:1"}}\n')
+    monkeypatch.setenv("CUTLAYER_BANK_PARTNERS", '{"p1": "https://127.0.0.1:2"}')
+    assert load_settings(BankSettings, config).partners == {"p1": "https://127.0.0.1:2"}
+    flagged = load_settings(BankSettings, config, partners={"p2": "https://127.0.0.1:3"})
+    assert flagged.partners == {"p2": "https://127.0.0.1:3"}

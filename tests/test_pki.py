@@ -315,6 +315,11 @@ def test_the_banks_operator_talks_only_to_the_bank_service(tmp_path, partition, 
         op.sessions()
 
 
+def revoked(trust, cert: x509.Certificate) -> bool:
+    trust.refresh()
+    return cert.serial_number in trust.policy.revoked.get(cert.issuer, ())
+
+
 def test_a_revocation_stays_when_its_list_goes_or_an_older_one_comes(tmp_path):
     from parties.transport.trust import Trust
 
@@ -327,11 +332,11 @@ def test_a_revocation_stays_when_its_list_goes_or_an_older_one_comes(tmp_path):
     newer = crl.read_bytes()
     trust = Trust(TLSFiles(files["bank"].ca, files["bank"].cert, files["bank"].key, crl=crl))
     partner = x509.load_pem_x509_certificate(files["partner"].cert.read_bytes())
-    assert trust.revoked(partner.issuer, partner.serial_number)
+    assert revoked(trust, partner)
     for change in (crl.unlink, lambda: crl.write_bytes(older)):  # the list gone; an older list in its place
         change()
         time.sleep(RELOAD_SECONDS + 0.1)
-        assert trust.revoked(partner.issuer, partner.serial_number)
+        assert revoked(trust, partner)
     crl.write_bytes(newer)
     assert newer != older
 
@@ -342,9 +347,55 @@ def test_the_ca_signs_hosts_only_and_never_over_a_file(tmp_path):
     (tmp_path / "p" / "partner.csr").rename(tmp_path / "ca" / "ca.csr")  # a request named like the CA's file
     issued = pki.sign_request(tmp_path / "ca", tmp_path / "ca" / "ca.csr")
     assert issued.path.name == "partner.pem" and "for telco.example" in pki.describe(issued.certificate)
-    assert x509.load_pem_x509_certificate((tmp_path / "ca" / "ca.pem").read_bytes()).subject != issued.certificate.subject
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca" / "ca.pem").read_bytes())
+    assert ca.subject != issued.certificate.subject  # the CA's own certificate is where it was
     with pytest.raises(ConfigError, match="never written over"):
         pki.sign_request(tmp_path / "ca", tmp_path / "ca" / "ca.csr")
     run("request", "--name", "wild", "--role", "partner", "--out", tmp_path / "w", "--host", "*.example")
     with pytest.raises(ConfigError, match="no wildcard"):
         pki.sign_request(tmp_path / "ca", tmp_path / "w" / "wild.csr")
+
+
+def test_a_pin_moved_while_connected_refuses_the_open_connection_at_its_next_request(
+        tmp_path, partition, start_partner):
+    files, _ = two_organisations(tmp_path)
+    pin = tmp_path / "bank-pin.pem"
+    pin.write_bytes((tmp_path / "bank-ca" / "ca.pem").read_bytes())
+    partner = start_partner(partition["partner"], **tls_values(files["partner"], tls_pin={"bank": pin}))
+    bank = TLSFiles(files["bank"].ca, files["bank"].cert, files["bank"].key,
+                    pins=(("partner", tmp_path / "telco-ca" / "ca.pem"),))
+    with make_client(bank, base_url=partner.url) as client:
+        assert client.get(IDENTITY).status_code == 200
+        pin.write_bytes((tmp_path / "telco-ca" / "ca.pem").read_bytes())  # the bank is now the telco CA's to sign
+        time.sleep(RELOAD_SECONDS + 0.1)
+        refused = client.get(IDENTITY)  # the same kept-alive connection
+        assert refused.status_code == 403 and "no longer accepted" in refused.json()["detail"]
+
+
+def test_a_request_never_goes_on_a_connection_checked_for_another_party(tmp_path, partition, start_partner):
+    from parties.errors import PeerError
+    from parties.transport.client import EXPECT
+    from parties.transport.tls import PeerIdentity
+
+    files = provision(tmp_path, {"bank": "one", "partner": "one"})
+    partner = start_partner(partition["partner"], **tls_values(files["partner"]))
+    with make_client(files["bank"], base_url=partner.url) as client:
+        assert client.get(IDENTITY, extensions={EXPECT: PeerIdentity("partner", "partner")}).status_code == 200
+        with pytest.raises(PeerError, match="expected partner 'partner2'"):  # same address, another party meant
+            client.get(IDENTITY, extensions={EXPECT: PeerIdentity("partner2", "partner")})
+
+
+def test_a_revocation_list_dated_ahead_of_the_clock_is_refused(tmp_path):
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from parties.transport.trust import Trust
+
+    files = provision(tmp_path, {"bank": "one", "partner": "one"})
+    ca = x509.load_pem_x509_certificate((tmp_path / "one" / "ca.pem").read_bytes())
+    key = serialization.load_pem_private_key((tmp_path / "one" / "ca.key").read_bytes(), None)
+    ahead = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=30)
+    crl = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(ahead)
+           .next_update(ahead + dt.timedelta(days=30)).sign(key, hashes.SHA256()))
+    (tmp_path / "crl.pem").write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(ConfigError, match="ahead of this machine's clock"):
+        Trust(TLSFiles(files["bank"].ca, files["bank"].cert, files["bank"].key, crl=tmp_path / "crl.pem"))

@@ -36,8 +36,10 @@ def identify(settings: ServiceSettings, scope: Mapping[str, Any]) -> PeerIdentit
         if identity is None:
             raise Forbidden("the client certificate names no Cutlayer party this service accepts")
         trust = tls.get("trust")
-        if trust is not None and trust.revoked(tls["issuer"], tls["serial"]):  # revoked since it connected
-            raise Forbidden(f"the client certificate of {identity.role} {identity.name!r} is revoked")
+        if trust is not None:  # the files changed since it connected (a revocation, a pin): checked again
+            tls["generation"], problem = trust.recheck(tls["der"], tls["generation"])
+            if problem is not None:
+                raise Forbidden(f"the client certificate is no longer accepted: {problem}")
         return identity
     if settings.insecure:
         role, _, name = Headers(scope=scope).get(CALLER_HEADER, "").partition(":")

@@ -20,7 +20,6 @@ from types import TracebackType
 from urllib.parse import urlsplit
 
 import httpx
-from cryptography import x509
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
@@ -39,37 +38,40 @@ EXPECT = "cutlayer.expect"
 
 
 class PartyTransport(httpx.BaseTransport):
-    """httpx's transport with our certificate and trust (``parties.transport.tls.Trust``) and the TCP options of
+    """httpx's transport with our certificate and trust (``parties.transport.trust.Trust``) and the TCP options of
     ``parties.transport.sockets`` (TCP_NODELAY and a loss-based congestion control: each costs a round trip per
     step otherwise).
 
     A new connection's peer is checked once its handshake is done, before any request goes on it: a party this
     party accepts (pins, revocation), and the one the request names (its ``EXPECT`` extension, else
-    ``expect``). When the trust's files change (a renewal, a revocation), the kept connections are left and
-    the next request handshakes again under the new files.
+    ``expect``). Connections are pooled per party expected, so a request never goes on a connection checked
+    for another. When the trust's files change (a renewal, a revocation, a pin), the kept connections are left
+    and the next request handshakes again under the new files; those left are closed at the change after.
     """
 
     def __init__(self, tls: TLSFiles | None, expect: PeerIdentity | None = None) -> None:
         self.trust = trust_for(tls) if tls is not None else None
         self.expect = expect
         self._lock = threading.Lock()
-        self._generation = -1
-        self._inner: httpx.HTTPTransport | None = None
-        self._retired: list[httpx.HTTPTransport] = []  # left for new files: closed with this transport
+        self._generation = self.trust.generation if self.trust is not None else 0
+        self._pools: dict[PeerIdentity | None, httpx.HTTPTransport] = {}
+        self._retired: list[httpx.HTTPTransport] = []  # left at the last change: requests on them may still run
 
-    def _current(self) -> httpx.HTTPTransport:
+    def _pool(self, expect: PeerIdentity | None) -> httpx.HTTPTransport:
         if self.trust is not None:
             self.trust.refresh()
         generation = self.trust.generation if self.trust is not None else 0
         with self._lock:
-            if self._inner is None or self._generation != generation:
-                if self._inner is not None:  # requests in flight on it finish; nothing new goes on it
-                    self._retired.append(self._inner)
+            if generation != self._generation:
+                for old in self._retired:  # a whole change ago: nothing runs on them any more
+                    old.close()
+                self._retired, self._pools, self._generation = list(self._pools.values()), {}, generation
+            pool = self._pools.get(expect)
+            if pool is None:
                 # Plain http (--insecure): nothing to verify.
                 verify = self.trust.client_context() if self.trust is not None else True
-                self._inner = httpx.HTTPTransport(verify=verify, socket_options=sockets.socket_options())
-                self._generation = generation
-            return self._inner
+                pool = self._pools[expect] = httpx.HTTPTransport(verify=verify, socket_options=sockets.socket_options())
+            return pool
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         expect = request.extensions.get(EXPECT, self.expect)
@@ -89,13 +91,13 @@ class PartyTransport(httpx.BaseTransport):
                                     f"names {identity.role} {identity.name!r}")
 
         request.extensions = {**request.extensions, "trace": trace}
-        return self._current().handle_request(request)
+        return self._pool(expect).handle_request(request)
 
     def close(self) -> None:
         with self._lock:
-            for transport in [*self._retired, *([self._inner] if self._inner is not None else [])]:
+            for transport in [*self._retired, *self._pools.values()]:
                 transport.close()
-            self._retired, self._inner = [], None
+            self._retired, self._pools = [], {}
 
 
 def party_transport(tls: TLSFiles | None, expect: PeerIdentity | None = None) -> PartyTransport:
@@ -167,7 +169,7 @@ class _Connection(http.client.HTTPConnection):
         super().__init__(host, port, timeout=timeout)
         self.trust = trust_for(tls) if tls is not None else None
         self.expect = expect
-        self.peer: tuple[x509.Name, int] | None = None  # the connected peer's certificate: issuer, serial
+        self.peer: tuple[bytes, int] | None = None  # the connected peer's certificate (DER), the trust's generation
 
     def connect(self) -> None:
         sock: socket.socket = sockets.connect(self.host, self.port, self.timeout)  # type: ignore[arg-type]
@@ -181,22 +183,23 @@ class _Connection(http.client.HTTPConnection):
                 if identity != self.expect:
                     raise PeerError(f"expected {self.expect.role} {self.expect.name!r} at {self.host}:{self.port}, "
                                     f"but its certificate names {identity}")
-                cert = x509.load_der_x509_certificate(sock.getpeercert(True))  # type: ignore[attr-defined]
-                self.peer = (cert.issuer, cert.serial_number)
+                self.peer = (sock.getpeercert(True), self.trust.generation)  # type: ignore[attr-defined]
         except BaseException:
             sock.close()
             raise
         self.sock = sock
 
     def check_still_trusted(self) -> None:
-        """Before a request on a kept connection: refused if the peer's certificate was revoked since it connected
-        (nothing is sent to it), or dropped to reconnect under new files (a renewal) if they changed."""
+        """Before a request on a kept connection: if this party's files changed since it connected, its peer is
+        checked again (a revocation, a pin moved, a CA dropped), and refused before anything is sent to it."""
         if self.trust is None or self.sock is None or self.peer is None:
             return
-        if self.trust.revoked(*self.peer):
+        der, generation = self.peer
+        generation, problem = self.trust.recheck(der, generation)
+        if problem is not None:
             self.close()
-            raise PeerUntrusted(f"{self.host}:{self.port}: its certificate for {self.expect.role} "
-                                f"{self.expect.name!r} has been revoked")
+            raise PeerUntrusted(f"{self.host}:{self.port}: {problem}")
+        self.peer = (der, generation)
 
 
 class StepConnection:

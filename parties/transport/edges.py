@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography import x509
-
 from parties.errors import ConfigError
 from parties.observability import REFUSALS
 from parties.transport import sockets
@@ -64,8 +62,8 @@ def connection_tls(transport: asyncio.BaseTransport) -> dict[str, Any]:
         logger.warning("TLS connection from %s refused: %s", peer_address(transport), problem)
         transport.close()  # nothing it sends is read
     else:
-        cert = x509.load_der_x509_certificate(ssl_object.getpeercert(True))
-        tls.update(trust=trust_of(ssl_object.context), issuer=cert.issuer, serial=cert.serial_number)
+        trust = trust_of(ssl_object.context)
+        tls.update(trust=trust, der=ssl_object.getpeercert(True), generation=trust.generation if trust else 0)
     return tls
 
 

@@ -171,8 +171,9 @@ class Trust:
 
     def _revocations(self, cas: list[x509.Certificate], before: _Policy | None
                      ) -> tuple[dict[x509.Name, frozenset[int]], dict[x509.Name, dt.datetime]]:
-        """Each CA's revoked serials. A list only ever gives way to a newer one of the same CA: a file that is
-        gone, or holds an older list or none from a CA, keeps what was revoked before (and says so)."""
+        """Each CA's revoked serials: what the file's lists revoke, added to what was revoked before. A revocation
+        is for good (until a restart): a file that is gone, or an older list, lifts none. A list dated ahead of
+        this machine's clock is refused: it would pass for the newest."""
         f = self.files
         revoked: dict[x509.Name, frozenset[int]] = {}
         lists: dict[x509.Name, dt.datetime] = {}
@@ -182,6 +183,9 @@ class Trust:
                 if issuer is None or not crl.is_signature_valid(issuer.public_key()):  # type: ignore[arg-type]
                     raise ConfigError(f"revocation list {f.crl}: a list by {_label(crl.issuer)} is not signed by a "
                                       f"CA in {f.ca}")
+                if crl.last_update_utc > dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10):
+                    raise ConfigError(f"revocation list {f.crl}: the list by {_label(crl.issuer)} is dated "
+                                      f"{crl.last_update_utc:%Y-%m-%d %H:%M} UTC, ahead of this machine's clock")
                 if crl.next_update_utc is not None and crl.next_update_utc < dt.datetime.now(dt.timezone.utc):
                     logger.warning("revocation list of %s in %s was due for renewal on %s: ask its CA for a new one "
                                    "(python -m parties pki revoke re-signs it)", _label(crl.issuer), f.crl,
@@ -190,11 +194,11 @@ class Trust:
                 lists[crl.issuer] = max(crl.last_update_utc, lists.get(crl.issuer, crl.last_update_utc))
         if before is not None:
             for issuer, serials in before.revoked.items():
-                if issuer not in lists or lists[issuer] < before.lists.get(issuer, lists[issuer]):
-                    logger.warning("revocation list of %s: %s; the %d revocations read before stay in force",
-                                   _label(issuer), "gone from the file" if issuer not in lists else "older than the "
-                                   "one read before", len(serials))
-                    revoked[issuer], lists[issuer] = serials, before.lists[issuer]
+                if dropped := serials - revoked.get(issuer, frozenset()):
+                    logger.warning("revocation list of %s: %d revocations read before are not in the file now (the "
+                                   "list is gone or older); they stay in force", _label(issuer), len(dropped))
+                revoked[issuer] = revoked.get(issuer, frozenset()) | serials
+                lists[issuer] = max(lists.get(issuer, before.lists[issuer]), before.lists[issuer])
         return revoked, lists
 
     def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
@@ -275,10 +279,14 @@ class Trust:
                            f"{cert.not_valid_after_utc:%Y-%m-%d}")
         return PeerIdentity(name, role), None
 
-    def revoked(self, issuer: x509.Name, serial: int) -> bool:
-        """Whether a certificate checked earlier (on a connection still open) has been revoked since."""
+    def recheck(self, der: bytes, generation: int) -> tuple[int, str | None]:
+        """For a connection still open, checked at ``generation``: if the files changed since, ``check`` again (a
+        revocation, a pin moved, a CA dropped). The generation it now holds for, and why it no longer may."""
         self.refresh()
-        return serial in self.policy.revoked.get(issuer, ())
+        if generation == self.generation:
+            return generation, None
+        identity, problem = self.check(der)
+        return self.generation, problem
 
 
 #: Every context a ``Trust`` made, to find the trust behind a connection's context.
