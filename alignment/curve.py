@@ -183,52 +183,65 @@ def _batch_inverse(values: Sequence[int]) -> list[int]:
     return out
 
 
-def _decode_x(ys: Sequence[int]) -> list[int | None]:
-    """The even ``x`` of the Edwards point with each ``y``, or None where there is none (libsodium decodes)."""
-    y3s: list[int | None] = []
+def _decode_y3(ys: Sequence[int]) -> list[int | None]:
+    """``y(P + B)`` for the even-``x`` point ``P`` with each ``y`` (libsodium decodes), None where there is none."""
+    add, b_enc, mask = crypto_core_ed25519_add, _B_ENC, _Y_MASK
+    out: list[int | None] = []
     for y in ys:
         try:
-            s = crypto_core_ed25519_add(y.to_bytes(32, "little"), _B_ENC)
+            out.append(int.from_bytes(add(y.to_bytes(32, "little"), b_enc), "little") & mask)
         except RuntimeError:  # y has no point: (y^2 - 1) / (d y^2 + 1) is not a square
-            y3s.append(None)
-            continue
-        y3s.append(int.from_bytes(s, "little") & _Y_MASK)
-    # y3 (1 - d x xB y yB) = y yB + x xB, so x = (y3 - y yB) / (xB + xB d yB y y3).
-    dens = [(_B_X + _B_XDY * y * y3) % P if y3 is not None else 0 for y, y3 in zip(ys, y3s)]
-    invs = _batch_inverse(dens)
-    return [None if y3 is None else (y3 - y * _B_Y) * i % P for y, y3, i in zip(ys, y3s, invs)]
+            out.append(None)
+    return out
 
 
 def _map_to_curve(us: Sequence[int]) -> list[tuple[int, int]]:
-    """RFC 9380 ``map_to_curve_elligator2_edwards25519`` for every field element: affine (x, y)."""
+    """RFC 9380 ``map_to_curve_elligator2_edwards25519`` for every field element: affine (x, y).
+
+    Three batched inversions for the whole batch: the first candidate's ``y``, the second's
+    (for the half where the first has no point), and one shared by ``x`` and the RFC's sign.
+    """
+    p, a = P, _A
+    dens = [(1 + 2 * u * u) % p for u in us]
     # x1 = -A / (1 + 2u^2); its Edwards y = (x1 - 1) / (x1 + 1) = (A + den) / (A - den).
-    dens = [(1 + 2 * u * u) % P for u in us]
     # A - den == 0 means x1 == -1, which is on the twist (A - 2 is not a square): not this branch.
-    inv = _batch_inverse([(_A - den) % P for den in dens])
-    ys = [(_A + den) * i % P if i else 0 for den, i in zip(dens, inv)]
-    xs = _decode_x(ys)
-    square = [x is not None and i != 0 for x, i in zip(xs, inv)]  # is_square(gx1)
+    inv = _batch_inverse([(a - den) % p for den in dens])
+    ys = [(a + den) * i % p if i else 0 for den, i in zip(dens, inv)]
+    y3s = _decode_y3(ys)
+    redo = [k for k, (y3, i) in enumerate(zip(y3s, inv)) if y3 is None or not i]  # not is_square(gx1)
     # Otherwise x2 = -x1 - A = -2Au^2 / den, with Edwards y = (2Au^2 + den) / (2Au^2 - den).
-    redo = [k for k, sq in enumerate(square) if not sq]
-    two_a_u2 = {k: 2 * _A * us[k] * us[k] % P for k in redo}
-    inv2 = _batch_inverse([(two_a_u2[k] - dens[k]) % P for k in redo])
+    xm_num = [p - a] * len(us)  # xM = xm_num / den
+    for k in redo:
+        xm_num[k] = -2 * a * us[k] * us[k] % p
+    inv2 = _batch_inverse([(p - xm_num[k] - dens[k]) % p for k in redo])
     for k, i in zip(redo, inv2):
-        ys[k] = (two_a_u2[k] + dens[k]) * i % P
-    for k, x in zip(redo, _decode_x([ys[k] for k in redo])):
-        if x is None:
+        ys[k] = (dens[k] - xm_num[k]) * i % p
+    for k, y3 in zip(redo, _decode_y3([ys[k] for k in redo])):
+        if y3 is None:
             raise RuntimeError("libsodium refused both Elligator 2 candidates: its point decoding changed")
-        xs[k] = x
-    # The RFC takes the Montgomery v with sgn0(v) == is_square(gx1) and x = c1 * xM / v, so
-    # with the even root x' found above, v' = c1 * xM / x' and x = x' exactly when sgn0(v') agrees.
-    xm_num = [(-_A if sq else -two_a_u2[k]) % P for k, sq in enumerate(square)]  # xM = xm_num / den
-    inv3 = _batch_inverse([den * x % P for den, x in zip(dens, xs)])  # type: ignore[operator]
+        y3s[k] = y3
+    # y3 (1 - d x xB y yB) = y yB + x xB gives the even root x = nx / dx, nx = y3 - y yB, dx = xB + xB d yB y y3.
+    # The RFC takes the Montgomery v with sgn0(v) == is_square(gx1) and x = c1 * xM / v, so with
+    # v' = c1 xM / x = c1 xm_num dx / (den nx), x is the RFC's exactly when sgn0(v') agrees.
+    # One inversion of dx den nx gives both: x = nx^2 den / (...), v' = c1 xm_num dx^2 / (...).
+    bx, bxdy, by = _B_X, _B_XDY, _B_Y
+    nxs = [(y3 - y * by) % p for y, y3 in zip(ys, y3s)]  # type: ignore[operator]
+    dxs = [(bx + bxdy * y % p * y3) % p for y, y3 in zip(ys, y3s)]  # type: ignore[operator]
+    invs = _batch_inverse([dx * den % p * nx % p for dx, den, nx in zip(dxs, dens, nxs)])
+    square = [True] * len(us)
+    for k in redo:
+        square[k] = False
     out = []
-    for k, (x, y) in enumerate(zip(xs, ys)):
-        if not x:  # x == 0 only for xM == 0 (u == 0): the RFC's exceptional case maps to the identity
+    c1 = _C1
+    for k, y in enumerate(ys):
+        nx, i = nxs[k], invs[k]
+        if not nx:  # x == 0 only for xM == 0 (u == 0): the RFC's exceptional case maps to the identity
             out.append((0, 1))
             continue
-        v = _C1 * xm_num[k] % P * inv3[k] % P
-        out.append((x if _sgn0(v) == square[k] else P - x, y))
+        dx = dxs[k]
+        x = nx * nx % p * dens[k] % p * i % p
+        v = c1 * xm_num[k] % p * (dx * dx % p) % p * i % p
+        out.append((x if (v & 1) == square[k] else p - x, y))
     return out
 
 
