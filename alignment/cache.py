@@ -36,7 +36,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import curve
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from parties.storage.files import atomic_write_bytes, private_dir
 
 __all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
@@ -111,7 +111,7 @@ def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) ->
 
 def hashed_points(
     ids: Sequence[bytes],
-    pool: WorkerPool,
+    pool: SlicePool,
     cache_dir: Path | None,
     dst: bytes = curve.DEFAULT_DST,
     key: bytes | None = None,

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from alignment.psi import Committed, PsiResponder, SessionInfo, check_id_types
 from parties.errors import UnknownSession
 from parties.tables.ids import IdType
@@ -21,7 +21,7 @@ __all__ = ["LocalPsiPeer"]
 class LocalPsiPeer:
     """A ``PsiPeer`` whose responder lives in this process."""
 
-    def __init__(self, own_points: bytes, pool: WorkerPool, threads: ThreadPoolExecutor,
+    def __init__(self, own_points: bytes, pool: SlicePool, threads: ThreadPoolExecutor,
                  id_type: IdType = "text") -> None:
         self.own_points, self.pool, self.threads, self.id_type = own_points, pool, threads, id_type
         self.sessions: dict[str, PsiResponder] = {}

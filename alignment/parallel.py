@@ -1,12 +1,16 @@
-"""Run the curve math on every core.
+"""Run the curve math on every core, here or on the party's own Ray cluster.
 
 Hashing and blinding are embarrassingly parallel over fixed-width records, so
-a batch is cut into slices, each slice goes to a worker process, and the
-results are joined in order. Small batches run inline: starting workers costs
-more than it saves.
+a batch is cut into slices, each slice goes to a worker, and the results are
+joined in order. Small batches run inline: starting workers costs more than it
+saves.
 
-Workers come from a ``forkserver`` context: forking a process that runs an
-event loop and threads (a party service) can deadlock the child.
+``WorkerPool`` (the default) runs worker processes on this machine, from a
+``forkserver`` context: forking a process that runs an event loop and threads
+(a party service) can deadlock the child. ``RayPool`` (``alignment.ray_pool``,
+``--ray-address``) runs the same slices as Ray tasks; ``make_pool`` picks one.
+Both go through ``SlicePool``, so they cut, order, cancel and name a bad point
+alike, and give the same bytes.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 
 from alignment import curve
 
-__all__ = ["WorkerPool", "start_fork_server"]
+__all__ = ["SlicePool", "WorkerPool", "make_pool", "start_fork_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +93,84 @@ def _hash_slice(ids: Sequence[bytes], dst: bytes) -> bytes:
     return curve.hash_to_curve(ids, dst)
 
 
-class WorkerPool:
-    """A lazily started pool of worker processes for hashing and blinding."""
+def make_pool(workers: int | None = None, ray_address: str | None = None) -> SlicePool:
+    """The pool a party's settings ask for: Ray tasks on the cluster at ``ray_address``, else local processes."""
+    if ray_address:
+        from alignment.ray_pool import RayPool
+
+        return RayPool(ray_address, workers)
+    return WorkerPool(workers)
+
+
+class SlicePool:
+    """Hashing and blinding cut into slices that run somewhere (``_ordered``), joined in order."""
+
+    workers: int
+
+    def _ordered(self, fn: Callable[[object], bytes], slices: Sequence[object],
+                 cancel: threading.Event | None) -> Iterator[bytes]:
+        """``fn`` of every slice, in order, run in parallel; ``cancel`` set stops it (``CancelledError``)."""
+        raise NotImplementedError
+
+    @property
+    def parallel(self) -> bool:
+        """Whether this pool runs anything off the calling thread."""
+        return self.workers > 1
+
+    def _parallel(self, n: int) -> bool:
+        return self.parallel and n >= INLINE_BELOW
+
+    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
+        """``curve.hash_to_curve`` over all workers."""
+        if not self._parallel(len(ids)):
+            return curve.hash_to_curve(ids, dst)
+        slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
+        return b"".join(self._ordered(partial(_hash_slice, dst=dst), slices, None))  # type: ignore[arg-type]
+
+    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
+              cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
+        """``curve.blind`` over all workers; ``cancel`` set stops it between slices (``CancelledError``).
+
+        ``validate``: check every point first (``curve.check_points``); only a party's own freshly hashed
+        points skip it. A bad point is named by the slice it is in and its place there.
+        """
+        n = len(points) // curve.POINT_BYTES
+        step = SLICE_RECORDS * curve.POINT_BYTES
+        slices = [points[i : i + step] for i in range(0, len(points), step)] or [b""]
+        fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes, validate=validate)
+        parallel = self._parallel(n)
+        results = self._ordered(fn, slices, cancel) if parallel else self._inline(fn, slices, cancel)  # type: ignore[arg-type]
+        parts = []
+        for i in range(len(slices)):
+            try:
+                parts.append(next(results))
+            except ValueError as exc:
+                raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
+        return b"".join(parts)
+
+    @staticmethod
+    def _inline(fn: Callable[[bytes], bytes], slices: Sequence[bytes],
+                cancel: threading.Event | None) -> Iterator[bytes]:
+        for part in slices:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError("blinding cancelled")
+            yield fn(part)
+
+    def start(self) -> None:
+        """Start the workers now, so the first session does not wait for them (a no-op inline)."""
+
+    def close(self) -> None:
+        """Stop the workers; a pool closed can start again."""
+
+    def __enter__(self) -> SlicePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerPool(SlicePool):
+    """A lazily started pool of worker processes on this machine."""
 
     def __init__(self, workers: int | None = None) -> None:
         self.workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -105,51 +185,15 @@ class WorkerPool:
             logger.info("started %d PSI worker processes", self.workers)
         return self._executor
 
-    @property
-    def parallel(self) -> bool:
-        """Whether this pool runs anything on worker processes."""
-        return self.workers > 1
-
-    def _parallel(self, n: int) -> bool:
-        return self.parallel and n >= INLINE_BELOW
-
-    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
-        """``curve.hash_to_curve`` over all cores."""
-        if not self._parallel(len(ids)):
-            return curve.hash_to_curve(ids, dst)
-        slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
-        return b"".join(self._pool().map(partial(_hash_slice, dst=dst), slices))
-
-    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
-              cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
-        """``curve.blind`` over all cores; ``cancel`` set stops it between slices (``CancelledError``).
-
-        ``validate``: check every point first (``curve.check_points``); only a party's own freshly hashed
-        points skip it. A bad point is named by the slice it is in and its place there.
-        """
-        n = len(points) // curve.POINT_BYTES
-        step = SLICE_RECORDS * curve.POINT_BYTES
-        slices = [points[i : i + step] for i in range(0, len(points), step)] or [b""]
-        fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes, validate=validate)
-        parallel = self._parallel(n)
-        futures = [self._pool().submit(fn, part) for part in slices] if parallel else []
-        parts = []
+    def _ordered(self, fn: Callable[[object], bytes], slices: Sequence[object],
+                 cancel: threading.Event | None) -> Iterator[bytes]:
+        futures = [self._pool().submit(fn, part) for part in slices]
         try:
-            for i, part in enumerate(slices):
-                try:
-                    parts.append(self._result(futures[i], cancel) if parallel else self._inline(fn, part, cancel))
-                except ValueError as exc:
-                    raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
-            return b"".join(parts)
+            for future in futures:
+                yield self._result(future, cancel)
         finally:
             for future in futures:  # whatever has not started never will
                 future.cancel()
-
-    @staticmethod
-    def _inline(fn: Callable[[bytes], bytes], part: bytes, cancel: threading.Event | None) -> bytes:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("blinding cancelled")
-        return fn(part)
 
     @staticmethod
     def _result(future: Future[bytes], cancel: threading.Event | None) -> bytes:
@@ -171,9 +215,3 @@ class WorkerPool:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -46,7 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from alignment import curve
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -229,7 +229,7 @@ class PsiResponder:
 
     own_points: bytes
     peer_count: int
-    pool: WorkerPool
+    pool: SlicePool
     threads: ThreadPoolExecutor
     chunk_items: int = CHUNK_ITEMS
     owner: str = ""  # the bank's certificate name: only it may use the session
@@ -320,7 +320,7 @@ def _receive(what: str, count: int, width: int, chunk_items: int, get: Callable[
 def run_initiator(
     peer: PsiPeer,
     own_points: bytes,
-    pool: WorkerPool,
+    pool: SlicePool,
     *,
     chunk_items: int = CHUNK_ITEMS,
     max_peer_count: int = MAX_IDS,

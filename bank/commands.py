@@ -44,7 +44,8 @@ def serve(args: argparse.Namespace) -> int:
     from bank.service.app import create_app
     from parties.transport.server import serve_party
 
-    start_fork_server(settings.workers)
+    if not settings.ray_address:
+        start_fork_server(settings.workers)
     serve_party(create_app(settings, table), settings)
     return 0
 

@@ -24,9 +24,10 @@ The tree::
     │   ├── IntersectionTooSmall    empty, or under the configured minimum
     │   ├── IdTypeMismatch          the two sides' IDs are of different types (integer, text)
     │   └── AlignmentMismatch       the two sides computed different results
-    └── PeerError                   a peer failed, dropped or refused us       -> 502
-        ├── PeerUnavailable         no answer at all (refused, reset, timed out): retry
-        └── PeerUntrusted           the TLS handshake failed: a certificate not of this partnership
+    ├── PeerError                   a peer failed, dropped or refused us       -> 502
+    │   ├── PeerUnavailable         no answer at all (refused, reset, timed out): retry
+    │   └── PeerUntrusted           the TLS handshake failed: a certificate not of this partnership
+    └── ComputeUnavailable          this party's own Ray cluster failed under a job: rerun it -> 503
 
 Core code raises these; the app factory (``parties.transport.app``) maps them to HTTP
 status codes, and the CLIs print their message and exit non-zero.
@@ -39,6 +40,7 @@ __all__ = [
     "AlignmentMismatch",
     "BadMessage",
     "Behind",
+    "ComputeUnavailable",
     "ConfigError",
     "CutlayerError",
     "DataError",
@@ -161,6 +163,13 @@ class AlignmentMismatch(AlignmentError):
 
 class PeerError(CutlayerError):
     status_code = 502
+
+
+class ComputeUnavailable(CutlayerError):
+    """This party's own compute failed under a job (its Ray cluster unreachable, a worker dead): the job is
+    aborted, nothing of it kept, and it can be run again once the cluster is whole."""
+
+    status_code = 503
 
 
 class PeerUnavailable(PeerError):

@@ -87,7 +87,11 @@ class ServiceSettings(BaseSettings):
                            "on one machine (the command line only; the environment cannot turn TLS off)")
     state_dir: Path | None = Field(None, description="where this party keeps caches, checkpoints and models "
                                    "(default ./cutlayer-state/NAME)")
-    workers: int | None = Field(None, ge=1, description="PSI worker processes (default: every core)")
+    workers: int | None = Field(None, ge=1, description="PSI worker processes (default: every core; with "
+                                "--ray-address, PSI slices in flight / 2, default the cluster's CPUs)")
+    ray_address: str | None = Field(None, description="run PSI hashing and blinding on this party's own Ray cluster: "
+                                    "HOST:PORT of its head, or auto for the one ray start began on this machine (needs "
+                                    "the ray extra here and on every node; default: worker processes here)")
     min_intersection: int = Field(1, ge=1, description="commit policy: refuse to keep fewer aligned rows; not a "
                                   "privacy control: the PSI budgets are (see docs/explanation/security.md)")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="the largest request body a peer may send")

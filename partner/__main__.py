@@ -51,7 +51,8 @@ def serve(args: argparse.Namespace) -> int:
     from parties.transport.server import serve_party
     from partner.service import create_app
 
-    start_fork_server(settings.workers)
+    if not settings.ray_address:
+        start_fork_server(settings.workers)
     serve_party(create_app(settings, table), settings)
     return 0
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from alignment.cache import hashed_points
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from alignment.partnership import Partnership
 from alignment.psi import (
     MAX_CHUNK_ITEMS,
@@ -45,7 +45,7 @@ MAX_SCORING_ALIGNMENTS = 4  # per bank: customers aligned for scoring, the oldes
 class PsiDesk:
     """Every bank's PSI sessions at this partner, and what they may cost."""
 
-    def __init__(self, settings: PartnerSettings, table: PartyTable, banks: Banks, pool: WorkerPool,
+    def __init__(self, settings: PartnerSettings, table: PartyTable, banks: Banks, pool: SlicePool,
                  threads: ThreadPoolExecutor) -> None:
         self.settings, self.table, self.banks, self.pool, self.threads = settings, table, banks, pool, threads
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from alignment.parallel import WorkerPool
+from alignment.parallel import make_pool
 from parties.errors import AlignmentMismatch, BadMessage, Behind, DataError, OutOfOrder, UnknownSession
 from parties.learning.config import LocalSteps
 from parties.learning.embedding_noise import EmbeddingNoise
@@ -47,7 +47,7 @@ class PartnerCore:
 
     def __init__(self, settings: PartnerSettings, table: PartyTable) -> None:
         self.settings, self.table = settings, table
-        self.pool = WorkerPool(settings.workers)
+        self.pool = make_pool(settings.workers, settings.ray_address)
         self.threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="psi")
         self.threads.submit(self.pool.start)  # the first PSI session need not wait for the workers
         self.banks = Banks(settings.state_path, table, settings.quotas, settings.name)

@@ -46,6 +46,9 @@ def test_a_small_scale_bench_reports_every_stage(tmp_path: Path) -> None:
     # The aligned rows are the customers every party holds.
     ids = {p: set(pd.read_csv(tmp_path / "bench" / "data" / f"{p}.csv", dtype=str)["customer_id"]) for p in parties}
     assert figures["aligned_rows"] == len(set.intersection(*ids.values())) > 0
-    for stage in ("data generation", "start-up, partner2", "one partner after another", "all partners at once",
+    assert sorted(figures["peak_rss_mb"]) == sorted(parties) and all(v > 50 for v in figures["peak_rss_mb"].values())
+    assert figures["ray_address"] is None and figures["alignment_ids_per_core_second"] > 0
+    for stage in ("peak memory, partner1", "IDs per CPU-second, PSI on each service's worker processes",
+                  "data generation", "start-up, partner2", "one partner after another", "all partners at once",
                   "session setup, partner1", "epoch 1", "sharing"):
         assert stage in run.stdout

@@ -162,6 +162,9 @@ def build_parser(prog: str = "python -m bank.lab") -> argparse.ArgumentParser:
     sb.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default %(default)s)")
     sb.add_argument("--sequential", action="store_true",
                     help="also align one partner after another and all at once again (hashes cached), side by side")
+    sb.add_argument("--ray", default=None, metavar="ADDRESS",
+                    help="every service runs its PSI on this Ray cluster (HOST:PORT of its head, or auto): "
+                         "--ray-address on each (default: each service's worker processes)")
     sb.add_argument("--out", type=Path, default=None, help="keep the data, logs and runs here (default: a temporary folder)")
     sb.add_argument("--json", type=Path, default=None, help="also write the figures here")
     add_log_level(sb)

@@ -183,7 +183,8 @@ def scale_bench(args: argparse.Namespace) -> int:
     from bank.lab.bench.scale import format_scale_bench, run_scale_bench, scale_bench_json
 
     figures = run_scale_bench(args.customers, args.partners, args.epochs, sequential=args.sequential, seed=args.seed,
-                              out=args.out, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                              out=args.out, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              ray=args.ray)
     print(format_scale_bench(figures))
     if args.json is not None:
         args.json.write_text(scale_bench_json(figures) + "\n")

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from alignment.cache import hashed_points
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from alignment.exposure import Exposure, OverlapTooHigh, customer_keys
 from alignment.partnership import Partnership
 from alignment.psi import partnership_dst, run_initiator
@@ -77,7 +77,7 @@ class _Customers:
         self.fallbacks: dict[str, Fallbacks] = {}
         self.drift: dict[str, Drift] = {}
 
-    def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: WorkerPool,
+    def align(self, partner: ScoringParty, width: int, manifest: Manifest, bank_name: str, pool: SlicePool,
               say: Progress, book: Partnership, told: Exposure, max_overlap: float) -> str | None:
         """PSI with ``partner`` and its embeddings of the customers it holds; why it was left out, if it was
         (it refused the alignment, or would have matched more than ``max_overlap`` of the bank's customers sent
@@ -130,7 +130,7 @@ def score_customers(
     model_dir: Path,
     bank_name: str,
     partners: Mapping[str, ScoringParty],
-    pool: WorkerPool,
+    pool: SlicePool,
     *,
     allow_missing: bool = False,
     accept_drift: bool = False,

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from alignment.cache import hashed_points
-from alignment.parallel import WorkerPool
+from alignment.parallel import SlicePool
 from alignment.exposure import Exposure, customer_keys
 from alignment.partnership import Partnership
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
@@ -116,7 +116,7 @@ class _Cancellable:
 def align_with_partners(
     table: PartyTable,
     partners: Mapping[str, PsiPeer],
-    pool: WorkerPool,
+    pool: SlicePool,
     *,
     min_intersection: int = 1,
     order_seed: int = 0,

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from alignment.exposure import Exposure
-from alignment.parallel import WorkerPool
+from alignment.parallel import make_pool
 from alignment.partnership import Partnership
 from bank.config import TrainingConfig
 from bank.scoring.manifest import read_manifest
@@ -101,7 +101,7 @@ def overlap_warnings(shares: dict[str, float], customers: int, expected: float |
 class BankCore:
     def __init__(self, settings: BankSettings, table: PartyTable) -> None:
         self.settings, self.table = settings, table
-        self.pool = WorkerPool(settings.workers)
+        self.pool = make_pool(settings.workers, settings.ray_address)
         self.jobs = JobRunner()
         self.alignment: AlignedRows | None = load_alignment(settings.state_path, table)
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))

@@ -13,7 +13,13 @@ partner after another and once with all partners at once, both on cached
 hashes, so the two are compared on the same work and the same CPUs.
 
 All services share this machine's CPUs (``cpus`` in the result): nothing is
-pinned, each service runs as many PSI workers as there are CPUs.
+pinned, each service runs as many PSI workers as there are CPUs. With ``ray``
+(an address, or ``auto``) every service runs its PSI on that Ray cluster instead
+(``--ray-address``), as a party past one machine would on its own.
+
+Per party the bench also reports its service process's peak resident memory
+(the kernel's high-water mark, ``VmHWM``, read before it stops): the table, the
+ID index and the PSI sets live there; PSI workers are processes of their own.
 """
 
 from __future__ import annotations
@@ -62,6 +68,13 @@ class ScaleBench:
     train_job_seconds: float
     sequential_seconds: float | None = None  # cached hashes, one partner after another
     concurrent_seconds: float | None = None  # cached hashes, every partner at once
+    ray_address: str | None = None  # PSI on this Ray cluster; None: worker processes of each service
+    peak_rss_mb: dict[str, float] | None = None  # each service process's high-water mark
+
+    @property
+    def alignment_ids_per_core_second(self) -> float:
+        """Every party's IDs through the first alignment (hashed and blinded), per CPU and second."""
+        return sum(self.rows.values()) / (self.alignment_seconds * self.cpus)
 
     @property
     def alignment_ratio(self) -> float | None:
@@ -126,10 +139,10 @@ def _setup_seconds(log: Path) -> float | None:
 class _Services:
     """N partner services and the bank, each its own process on this machine."""
 
-    def __init__(self, out: Path, paths: dict[str, Path], say: Callable[[str], None]) -> None:
+    def __init__(self, out: Path, paths: dict[str, Path], say: Callable[[str], None], ray: str | None = None) -> None:
         names = list(paths)
         write_dev_pki(out / "certs", {n: "bank" if n == "bank" else "partner" for n in names})
-        common = ["--tls-dir", str(out / "certs"), "--torch-threads", "1"]
+        common = ["--tls-dir", str(out / "certs"), "--torch-threads", "1", *(["--ray-address", ray] if ray else [])]
         self.processes: dict[str, ServiceProcess] = {}
         self.startup: dict[str, float] = {}
         try:
@@ -165,6 +178,19 @@ class _Services:
     def log(self, name: str) -> Path:
         return self.processes[name].log_file
 
+    def peak_rss_mb(self) -> dict[str, float]:
+        """Each service process's peak resident memory so far (Linux; empty elsewhere)."""
+        peaks = {}
+        for name, process in self.processes.items():
+            try:
+                status = Path(f"/proc/{process.proc.pid}/status").read_text()
+            except OSError:
+                continue
+            found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+            if found:
+                peaks[name] = round(int(found.group(1)) / 1024, 1)
+        return peaks
+
     def close(self) -> None:
         if hasattr(self, "operator"):
             self.operator.close()
@@ -174,7 +200,7 @@ class _Services:
 
 def run_scale_bench(
     customers: int = 1_000_000, partners: int = 3, epochs: int = 2, *, sequential: bool = False, seed: int = 0,
-    out: Path | None = None, progress: Callable[[str], None] = lambda _msg: None,
+    out: Path | None = None, progress: Callable[[str], None] = lambda _msg: None, ray: str | None = None,
 ) -> ScaleBench:
     """Generate, serve, align, train; time each stage. ``out``: keep the files there (default: a temporary folder)."""
     if epochs < 1:
@@ -186,7 +212,7 @@ def run_scale_bench(
         paths = write_synthetic_parties(folder / "data", customers, partners, seed)
         data_seconds = time.perf_counter() - started
         progress(f"data: {customers:,} customers, {partners} partners in {data_seconds:.1f} s")
-        services = _Services(folder, paths, progress)
+        services = _Services(folder, paths, progress, ray)
         try:
             first, aligned = services.align("concurrent")
             progress(f"alignment (hashing every ID): {first:.1f} s, {aligned['rows']:,} rows in common")
@@ -208,6 +234,7 @@ def run_scale_bench(
             if missing:
                 raise ConfigError(f"no training-session setup time in the logs of {missing}")
             progress(f"training: {len(history)} epochs in {train_job:.1f} s")
+            peaks = services.peak_rss_mb()
         finally:
             services.close()
         rows = {name: int(sum(1 for _ in p.open()) - 1) for name, p in paths.items()}
@@ -219,7 +246,7 @@ def run_scale_bench(
         setup_seconds={n: round(float(s), 3) for n, s in setup.items() if s is not None},
         epoch_seconds=[round(float(s), 3) for s in history["seconds"]], train_job_seconds=round(train_job, 2),
         sequential_seconds=round(seq, 2) if seq is not None else None,
-        concurrent_seconds=round(conc, 2) if conc is not None else None,
+        concurrent_seconds=round(conc, 2) if conc is not None else None, ray_address=ray, peak_rss_mb=peaks,
     )
 
 
@@ -231,7 +258,9 @@ def format_scale_bench(b: ScaleBench) -> str:
         + f"; aligned {b.aligned_rows:,}",
         f"  data generation             {b.data_seconds:8.2f} s",
         *(f"  start-up, {n:<17} {s:8.2f} s" for n, s in b.startup_seconds.items()),
-        f"  alignment (hashing all IDs) {b.alignment_seconds:8.2f} s   all partners at once",
+        f"  alignment (hashing all IDs) {b.alignment_seconds:8.2f} s   all partners at once, "
+        f"{b.alignment_ids_per_core_second:,.0f} IDs per CPU-second, PSI on "
+        + (f"the Ray cluster at {b.ray_address}" if b.ray_address else "each service's worker processes"),
     ]
     if b.sequential_seconds is not None and b.concurrent_seconds is not None:
         lines += [
@@ -243,9 +272,12 @@ def format_scale_bench(b: ScaleBench) -> str:
         *(f"  session setup, {n:<12} {s:8.3f} s   before the first step" for n, s in b.setup_seconds.items()),
         *(f"  epoch {i + 1:<21} {s:8.3f} s   training steps and validation" for i, s in enumerate(b.epoch_seconds)),
         f"  training job                {b.train_job_seconds:8.2f} s   start to model written",
+        *(f"  peak memory, {n:<14} {mb:8.1f} MB  the service process's high-water mark"
+          for n, mb in (b.peak_rss_mb or {}).items()),
     ]
     return "\n".join(lines)
 
 
 def scale_bench_json(b: ScaleBench) -> str:
-    return json.dumps({**asdict(b), "alignment_ratio": b.alignment_ratio}, indent=2)
+    return json.dumps({**asdict(b), "alignment_ratio": b.alignment_ratio,
+                       "alignment_ids_per_core_second": round(b.alignment_ids_per_core_second, 1)}, indent=2)
