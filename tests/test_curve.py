@@ -187,3 +187,13 @@ def test_honest_and_blinded_points_pass_the_check() -> None:
 )
 def test_normalisation_rule(a: str, b: str, same: bool) -> None:
     assert (curve.normalize_id(a) == curve.normalize_id(b)) is same
+
+
+def test_hashes_of_many_ids_are_those_every_deployed_party_computes() -> None:
+    """Known answers over 4,099 IDs (both Elligator branches, the identity's neighbours): a faster hash must give
+    these bytes, or two parties on different versions would silently share no customer."""
+    ids = [curve.normalize_id(f"kat-{i}") for i in range(4096)] + [b"", b"0", "é".encode()]
+    assert hashlib.sha256(curve.hash_to_curve(ids)).hexdigest() == (
+        "2eb793ef5a33b1a7ec8164a566c4b23c0ca5137cdedd1e9271e81e0c690c1510")
+    assert hashlib.sha256(curve.hash_to_curve(ids, curve.psi_dst("bank/telco"))).hexdigest() == (
+        "c4dc57f9f21e98ddb9e51a86db5a5800d4f27c1990ee090f3362e9a34c937d01")
