@@ -151,6 +151,9 @@ def build_parser(prog: str = "python -m bank.lab") -> argparse.ArgumentParser:
                     help="share of each party's IDs the other also holds (default %(default)s)")
     pb.add_argument("--seed", type=int, default=0, help="seed of the generated IDs (default %(default)s)")
     pb.add_argument("--workers", type=int, default=None, help="worker processes per party (default: every core)")
+    pb.add_argument("--ray", default=None, metavar="ADDRESS",
+                    help="also run both parties' PSI on this Ray cluster (HOST:PORT or auto), side by side with the "
+                         "worker processes: throughput ratio and whether the aligned rows are identical")
     pb.add_argument("--json", type=Path, default=None, help="also write the figures here")
     add_log_level(pb)
 

@@ -172,7 +172,7 @@ def psi_bench(args: argparse.Namespace) -> int:
     from bank.lab.bench.psi import format_result, run_bench, to_json
     from parties.storage.files import atomic_write_text
 
-    result = run_bench(args.size, args.overlap, args.seed, args.workers)
+    result = run_bench(args.size, args.overlap, args.seed, args.workers, args.ray)
     print(format_result(result))
     if args.json:
         atomic_write_text(args.json, to_json(result) + "\n")

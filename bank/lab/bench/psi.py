@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,7 +34,7 @@ import pandas as pd
 from nacl.bindings import crypto_core_ed25519_add, crypto_core_ed25519_from_uniform, crypto_scalarmult
 
 from alignment import curve
-from alignment.parallel import WorkerPool
+from alignment.parallel import WorkerPool, make_pool
 from bank.service.aligner import align_with_partners
 from bank.vertical.http_partner import HttpPartner
 from parties.tables.table import FeatureSchema, PartyTable
@@ -63,6 +64,11 @@ class BenchResult:
     warm_floor_seconds: float = 0.0
     libsodium_hash_per_second: float = 0.0
     libsodium_x25519_per_second: float = 0.0
+    peak_rss_mb: float = 0.0  # this process's high-water mark: both parties, and the bench's own ID lists
+    ray_address: str | None = None
+    ray_cold_seconds: float | None = None
+    ray_warm_seconds: float | None = None
+    ray_rows_identical: bool | None = None
 
     @property
     def correct(self) -> bool:
@@ -140,11 +146,14 @@ def _sodium_rates(workers: int, n: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def _one_run(bank: PartyTable, partner_table: PartyTable, files: dict[str, TLSFiles], state: Path, workers: int) -> tuple[float, int, int]:
+def _one_run(bank: PartyTable, partner_table: PartyTable, files: dict[str, TLSFiles], state: Path, workers: int,
+             ray: str | None = None) -> tuple[float, int, list[int]]:
+    """One alignment, both parties here; with ``ray`` both run their PSI on that cluster. The bank's aligned rows."""
     f = files["partner"]
+    workers_asked = None if ray else workers  # on Ray: the cluster's CPUs
     settings = PartnerSettings(
         name="partner", data=partner_table.path, tls_ca=f.ca, tls_cert=f.cert, tls_key=f.key,
-        state_dir=state / "partner", workers=workers,
+        state_dir=state / "partner", workers=workers_asked, ray_address=ray,
     )
     counter = _WireCounter()
     started = time.perf_counter()
@@ -152,16 +161,19 @@ def _one_run(bank: PartyTable, partner_table: PartyTable, files: dict[str, TLSFi
     try:
         client = make_client(files["bank"], caller=PeerIdentity("bank", "bank"), timeout=600)
         client.event_hooks = {"request": [counter.request], "response": [counter.response]}
-        with client, WorkerPool(workers) as pool:
+        with client, make_pool(workers_asked, ray) as pool:
             peer = HttpPartner("partner", server.url, client)
             alignment, _ = align_with_partners(bank, {"partner": peer}, pool, cache_dir=state / "bank")
         seconds = time.perf_counter() - started
     finally:
         server.stop()
-    return seconds, counter.total, len(alignment)
+    return seconds, counter.total, alignment.rows.tolist()
 
 
-def run_bench(size: int, overlap: float = 0.5, seed: int = 0, workers: int | None = None) -> BenchResult:
+def run_bench(size: int, overlap: float = 0.5, seed: int = 0, workers: int | None = None,
+              ray: str | None = None) -> BenchResult:
+    """Cold and warm runs with worker processes; with ``ray``, the same two runs again with both parties' PSI on
+    that cluster, side by side."""
     workers = workers or os.cpu_count() or 1
     rng = np.random.default_rng(seed)
     common = _ids(rng, round(size * overlap))
@@ -173,19 +185,26 @@ def run_bench(size: int, overlap: float = 0.5, seed: int = 0, workers: int | Non
         root = Path(tmp)
         files = write_dev_pki(root / "pki", {"bank": "bank", "partner": "partner"})
         bank, partner = _table(bank_ids, root / "bank.csv"), _table(partner_ids, root / "partner.csv")
-        cold, wire, found = _one_run(bank, partner, files, root / "state", workers)
+        cold, wire, rows = _one_run(bank, partner, files, root / "state", workers)
         warm, _, _ = _one_run(bank, partner, files, root / "state", workers)
+        on_ray: dict[str, object] = {}
+        if ray:
+            ray_cold, _, ray_rows = _one_run(bank, partner, files, root / "ray-state", workers, ray)
+            ray_warm, _, _ = _one_run(bank, partner, files, root / "ray-state", workers, ray)
+            on_ray = {"ray_address": ray, "ray_cold_seconds": round(ray_cold, 2),
+                      "ray_warm_seconds": round(ray_warm, 2), "ray_rows_identical": ray_rows == rows}
     with WorkerPool(workers) as pool:
         x_rate, h_rate = _rates(pool, min(size, 1 << 16))
     sodium_h, sodium_x = _sodium_rates(workers, min(size, 1 << 16))
     floor_x = max(x_rate, sodium_x)  # the fastest X25519 known here
     ids = 2 * size  # n_bank + n_partner
     return BenchResult(
-        size=size, overlap=overlap, workers=workers, intersection=found, expected_intersection=len(common),
+        size=size, overlap=overlap, workers=workers, intersection=len(rows), expected_intersection=len(common),
         cold_seconds=round(cold, 2), warm_seconds=round(warm, 2), bytes_per_id=round(wire / ids, 2),
         x25519_per_second=round(x_rate), hash_to_curve_per_second=round(h_rate),
         cold_floor_seconds=round(2 * ids / floor_x + ids / sodium_h, 2), warm_floor_seconds=round(2 * ids / floor_x, 2),
         libsodium_hash_per_second=round(sodium_h), libsodium_x25519_per_second=round(sodium_x),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), **on_ray,  # type: ignore[arg-type]
     )
 
 
@@ -206,6 +225,12 @@ def format_result(r: BenchResult) -> str:
         f"an add per ID, {r.libsodium_hash_per_second:,}: ours is "
         f"{r.hash_to_curve_per_second / r.libsodium_hash_per_second:.2f}x its rate)",
         "  floors: hashing at libsodium's rate, X25519 at the faster of libsodium's and OpenSSL's",
+        f"  peak memory                  {r.peak_rss_mb:8.1f} MB (this process: both parties and the bench's ID lists)",
+        *([f"  on the Ray cluster at {r.ray_address}: cold {r.ray_cold_seconds:.2f} s "
+           f"({r.cold_seconds / r.ray_cold_seconds:.2f}x the worker processes' throughput), warm "
+           f"{r.ray_warm_seconds:.2f} s ({r.warm_seconds / r.ray_warm_seconds:.2f}x); aligned rows "
+           + ("identical, in the same order" if r.ray_rows_identical else "DIFFERENT")]
+          if r.ray_cold_seconds and r.ray_warm_seconds else []),
     ])
 
 
