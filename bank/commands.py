@@ -44,8 +44,7 @@ def serve(args: argparse.Namespace) -> int:
     from bank.service.app import create_app
     from parties.transport.server import serve_party
 
-    if not settings.ray_address:
-        start_fork_server(settings.workers)
+    start_fork_server(settings.workers)  # worker processes, or the Ray driver process
     serve_party(create_app(settings, table), settings)
     return 0
 

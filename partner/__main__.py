@@ -51,8 +51,7 @@ def serve(args: argparse.Namespace) -> int:
     from parties.transport.server import serve_party
     from partner.service import create_app
 
-    if not settings.ray_address:
-        start_fork_server(settings.workers)
+    start_fork_server(settings.workers)  # worker processes, or the Ray driver process
     serve_party(create_app(settings, table), settings)
     return 0
 
