@@ -47,7 +47,8 @@ from typing import Any
 
 from alignment import curve
 from alignment.parallel import SlicePool, _worker_init
-from parties.errors import ComputeUnavailable, ConfigError
+from parties.errors import ComputeUnavailable
+from parties.settings import parse_ray_address as parse_address
 
 __all__ = ["RayPool", "parse_address"]
 
@@ -59,20 +60,6 @@ CONNECT_SECONDS = 5.0
 JOIN_SECONDS = 180.0
 #: While a call waits, how often the head's port is tried: a head that refuses connections ends the call.
 HEAD_PROBE_SECONDS = 3.0
-
-
-def parse_address(address: str) -> str:
-    """``auto``, ``HOST:PORT``, ``[IPv6]:PORT`` or ``ray://HOST:PORT`` (Ray Client), or a ``ConfigError``."""
-    text = address.strip()
-    if text == "auto":
-        return text
-    scheme = "ray://" if text.startswith("ray://") else ""
-    host, sep, port = text[len(scheme):].rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or (":" in host and not bracketed):
-        raise ConfigError(f"--ray-address {address!r}: give HOST:PORT of the cluster's head (an IPv6 address in "
-                          "brackets, [::1]:6379), ray://HOST:PORT for Ray Client, or auto")
-    return f"{scheme}{host}:{port}"
 
 
 def _check_reachable(address: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
@@ -25,7 +26,7 @@ from parties.transport.tls import NAME, Role, TLSFiles, is_loopback
 if TYPE_CHECKING:  # pandas, for the table alone: the command lines read these settings' defaults for --help
     from parties.tables.table import PartyTable
 
-__all__ = ["NAME", "ServiceSettings", "describe_problems", "load_settings"]
+__all__ = ["NAME", "ServiceSettings", "describe_problems", "load_settings", "parse_ray_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,24 @@ def _pin(text: str) -> tuple[str, Path]:
         raise argparse.ArgumentTypeError(f"--tls-pin takes NAME=CA_FILE (a peer's name and its CA's certificate), "
                                          f"not {text!r}")
     return name, Path(path)
+
+
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
+def parse_ray_address(address: str) -> str:
+    """``auto``, ``HOST:PORT``, ``[IPv6]:PORT`` or ``ray://HOST:PORT`` (Ray Client), or a ``ConfigError``."""
+    text = address.strip()
+    if text == "auto":
+        return text
+    scheme = "ray://" if text.startswith("ray://") else ""
+    host, sep, port = text[len(scheme):].rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    name_ok = bool(_HOST.fullmatch(host)) or (bracketed and ":" in host)
+    if not sep or not name_ok or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--ray-address {address!r}: give HOST:PORT of the cluster's head (an IPv6 address in "
+                          "brackets, [::1]:6379), ray://HOST:PORT for Ray Client, or auto")
+    return f"{scheme}{host}:{port}"
 
 
 class ServiceSettings(BaseSettings):
@@ -151,6 +170,15 @@ class ServiceSettings(BaseSettings):
         if self.metrics_port is not None and not is_loopback(self.metrics_host):
             raise ValueError(f"--metrics-host {self.metrics_host}: metrics are plain HTTP, served on a loopback "
                              f"address only (127.0.0.1, ::1, localhost); scrape them locally or through a tunnel")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_address_well_formed(self) -> ServiceSettings:
+        if self.ray_address is not None:
+            try:
+                parse_ray_address(self.ray_address)  # RayPool keeps the normal form
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 WAIT_SECONDS = 30.0
 
 
+def _report_pool_start(started: Future[None]) -> None:
+    if not started.cancelled() and started.exception() is not None:
+        logger.warning("PSI workers could not start (each PSI session will try again): %s", started.exception())
+
+
 class PartnerCore:
     """A partner's state: its table, its worker pool, and one space per bank it serves."""
 
@@ -49,7 +54,9 @@ class PartnerCore:
         self.settings, self.table = settings, table
         self.pool = make_pool(settings.workers, settings.ray_address)
         self.threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="psi")
-        self.threads.submit(self.pool.start)  # the first PSI session need not wait for the workers
+        # The first PSI session need not wait for the workers; a pool that cannot start says why in this log now,
+        # not only at the first session.
+        self.threads.submit(self.pool.start).add_done_callback(_report_pool_start)
         self.banks = Banks(settings.state_path, table, settings.quotas, settings.name)
         self.psi = PsiDesk(settings, table, self.banks, self.pool, self.threads)
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ import partner.__main__ as partner_cli
 from bank.config import TrainingConfig
 from bank.configurations.split_run import ConfigurationSettings
 from parties.cli import run_cli
+from parties.transport.pki import write_dev_pki
 from parties.learning.model import BottomConfig
 
 PARSERS = {
@@ -303,3 +304,15 @@ def test_cutlayer_on_the_path_runs_every_entry_point_under_its_own_name(capsys, 
     run = subprocess.run([str(script), "pki", "show", str(pki / "partner.pem")], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0 and "partner 'partner', for 127.0.0.1, localhost, issued by 'Cutlayer development CA'" in run.stdout
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "ray//127.0.0.1:26379", "127.0.0.1:99999", "::1"])
+def test_a_malformed_ray_address_is_one_line_naming_the_flag_before_anything_starts(tmp_path, address) -> None:
+    files = write_dev_pki(tmp_path / "certs", {"partner": "partner"})
+    data = tmp_path / "p.csv"
+    data.write_text("customer_id,a\n1,2\n")
+    run = subprocess.run([sys.executable, "-m", "partner", "serve", "--name", "partner", "--data", str(data),
+                          "--tls-dir", str(files["partner"].cert.parent), "--ray-address", address],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr and f"--ray-address {address!r}: give HOST:PORT" in run.stderr

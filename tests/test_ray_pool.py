@@ -195,16 +195,35 @@ def test_services_on_ray_align_the_rows_the_local_pools_align(
     assert len(rows["ray"][0]) > 10_000
 
 
-def test_a_partner_whose_cluster_is_gone_refuses_the_session_with_why(
+def test_a_partner_whose_cluster_is_gone_refuses_the_session_and_tells_only_its_own_operator_why(
+        pki: Path, bank_full: Path, tmp_path: Path, start_partner, start_bank, caplog) -> None:
+    """The partner's log says why at start-up and at the refusal; the bank hears that the partner's own compute
+    is unavailable, never where its cluster is."""
+    paths = prepare_bank_marketing(tmp_path / "data", rows=20_000, cache=bank_full.parent, download=False)
+    gone = f"127.0.0.1:{_free_port()}"
+    with caplog.at_level("WARNING"):
+        partner = start_partner(paths["partner"], workers=None, ray_address=gone)
+        bank = start_bank(paths["bank"], {"partner": partner.url}, workers=2)
+        with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
+            with pytest.raises(CutlayerError, match="own compute is unavailable") as refused:
+                op.wait(op.start_alignment())
+    assert gone not in str(refused.value)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("PSI workers could not start" in m and f"{gone} cannot be reached" in m for m in said)
+    assert any("refused" in m and f"{gone} cannot be reached" in m for m in said)
+    assert not list((tmp_path / "state-partner").rglob("alignment.safetensors"))  # nothing committed
+
+
+def test_the_banks_own_cluster_gone_is_not_blamed_on_a_partner(
         pki: Path, bank_full: Path, tmp_path: Path, start_partner, start_bank) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=20_000, cache=bank_full.parent, download=False)
     gone = f"127.0.0.1:{_free_port()}"
-    partner = start_partner(paths["partner"], workers=None, ray_address=gone)
-    bank = start_bank(paths["bank"], {"partner": partner.url}, workers=2)
+    partner = start_partner(paths["partner"], workers=2)
+    bank = start_bank(paths["bank"], {"partner": partner.url}, workers=None, ray_address=gone)
     with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
-        with pytest.raises(CutlayerError, match=f"Ray cluster at {gone} cannot be reached"):
+        with pytest.raises(CutlayerError, match=f"Ray cluster at {gone} cannot be reached") as failed:
             op.wait(op.start_alignment())
-    assert not list((tmp_path / "state-partner").rglob("alignment.safetensors"))  # nothing committed
+    assert "partner 'partner'" not in str(failed.value)
 
 
 def test_the_scale_bench_runs_every_service_on_the_cluster(cluster: str, tmp_path: Path) -> None:

@@ -35,11 +35,11 @@ from typing import Any, Literal
 import numpy as np
 
 from alignment.cache import hashed_points
-from alignment.parallel import SlicePool
 from alignment.exposure import Exposure, customer_keys
+from alignment.parallel import SlicePool
 from alignment.partnership import Partnership
 from alignment.psi import PsiPeer, PsiResult, check_minimum, partnership_dst, run_initiator
-from parties.errors import ConfigError, CutlayerError
+from parties.errors import ComputeUnavailable, ConfigError, CutlayerError
 from parties.limits import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import AlignedRows, PartyTable
 from parties.transport.jobs import Progress
@@ -66,8 +66,9 @@ def _positions_in(result: PsiResult, bank_rows: np.ndarray, n_bank: int) -> np.n
 
 
 def _named(exc: BaseException, name: str) -> BaseException:
-    """``exc`` with the partner's name in its message (same type), unless it names it already."""
-    if not isinstance(exc, CutlayerError) or repr(name) in str(exc):
+    """``exc`` with the partner's name in its message (same type), unless it names it already or is the bank's own
+    compute failing (its Ray cluster: a partner's arrives as the partner's refusal)."""
+    if not isinstance(exc, CutlayerError) or isinstance(exc, ComputeUnavailable) or repr(name) in str(exc):
         return exc
     try:
         named = type(exc)(f"partner {name!r}: {exc}")

@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from parties.errors import BadMessage, CutlayerError, Forbidden, PayloadTooLarge
+from parties.errors import BadMessage, ComputeUnavailable, CutlayerError, Forbidden, PayloadTooLarge
 from parties.observability import REFUSALS
 from parties.protocol.common import CALLER_HEADER
 from parties.settings import ServiceSettings
@@ -80,6 +80,10 @@ def refusal(settings: ServiceSettings, exc: CutlayerError, scope: Mapping[str, A
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "?"
         logger.warning("%s %s from %s refused: %s", method, path, peer, exc)
+    elif isinstance(exc, ComputeUnavailable):  # this party's own cluster: its operator's business, not the peer's
+        logger.warning("%s %s refused: %s", method, path, exc)
+        return Refusal(exc.status_code, type(exc).__name__, "this party's own compute is unavailable; its operator "
+                       "has the reason in its service log: retry once it is mended")
     else:
         logger.info("%s %s refused: %s", method, path, type(exc).__name__)
     return Refusal(exc.status_code, type(exc).__name__, peer_detail(settings, exc))
