@@ -53,7 +53,7 @@ def _beyond(matched: int, sent: int, ceiling: float) -> bool:
 
 def customer_keys(normalized_ids: Sequence[bytes]) -> np.ndarray:
     """A 16-byte digest of each canonical ID, row by row: how the ledger names customers."""
-    return np.array([hashlib.sha256(i).digest()[:16] for i in normalized_ids], dtype=_KEY)
+    return np.fromiter((hashlib.sha256(i).digest()[:16] for i in normalized_ids), dtype=_KEY, count=len(normalized_ids))
 
 
 class Exposure:

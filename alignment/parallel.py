@@ -23,10 +23,12 @@ import select
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
+from itertools import islice
 
 from alignment import curve
 
@@ -102,6 +104,24 @@ def make_pool(workers: int | None = None, ray_address: str | None = None) -> Sli
     return WorkerPool(workers)
 
 
+class Slices(Sequence[object]):
+    """``records`` cut into slices of ``size`` records of ``width`` items each (``width`` bytes of a blob of
+    points; 1: an ID of a sequence), each slice made only when it is reached: a pool that keeps a few in
+    flight never holds the set twice. A sequence of no records has one empty slice."""
+
+    def __init__(self, records: Sequence[object] | bytes, size: int, width: int = 1) -> None:
+        self.records, self.step = records, size * width
+        self.count = max(1, -(-len(records) // self.step))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> object:  # type: ignore[override]
+        if not 0 <= index < self.count:
+            raise IndexError("slice index out of range")
+        return self.records[index * self.step : (index + 1) * self.step]
+
+
 class SlicePool:
     """Hashing and blinding cut into slices that run somewhere (``_ordered``), joined in order."""
 
@@ -124,8 +144,7 @@ class SlicePool:
         """``curve.hash_to_curve`` over all workers."""
         if not self._parallel(len(ids)):
             return curve.hash_to_curve(ids, dst)
-        slices = [ids[i : i + SLICE_RECORDS] for i in range(0, len(ids), SLICE_RECORDS)]
-        return b"".join(self._ordered(partial(_hash_slice, dst=dst), slices, None))  # type: ignore[arg-type]
+        return b"".join(self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None))  # type: ignore[arg-type]
 
     def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
               cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
@@ -135,8 +154,7 @@ class SlicePool:
         points skip it. A bad point is named by the slice it is in and its place there.
         """
         n = len(points) // curve.POINT_BYTES
-        step = SLICE_RECORDS * curve.POINT_BYTES
-        slices = [points[i : i + step] for i in range(0, len(points), step)] or [b""]
+        slices = Slices(points, SLICE_RECORDS, curve.POINT_BYTES)
         fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes, validate=validate)
         parallel = self._parallel(n)
         results = self._ordered(fn, slices, cancel) if parallel else self._inline(fn, slices, cancel)  # type: ignore[arg-type]
@@ -187,10 +205,16 @@ class WorkerPool(SlicePool):
 
     def _ordered(self, fn: Callable[[object], bytes], slices: Sequence[object],
                  cancel: threading.Event | None) -> Iterator[bytes]:
-        futures = [self._pool().submit(fn, part) for part in slices]
+        upcoming = iter(slices)
+        futures = deque(self._pool().submit(fn, part) for part in islice(upcoming, 2 * self.workers))
         try:
-            for future in futures:
-                yield self._result(future, cancel)
+            while futures:
+                result = self._result(futures[0], cancel)
+                futures.popleft()
+                part = next(upcoming, None)
+                if part is not None:  # one in, one out: a few slices in flight, never the whole set
+                    futures.append(self._pool().submit(fn, part))
+                yield result
         finally:
             for future in futures:  # whatever has not started never will
                 future.cancel()

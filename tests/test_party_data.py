@@ -16,7 +16,7 @@ from parties.tables.table import load_party_table
 def test_a_good_file_loads_with_its_schema(write_csv) -> None:
     path = write_csv("bank.csv", customer_id=["007", "8"], age=["31", "40"], job=["a", "b"], y=["no", "yes"])
     table = load_party_table(path, "customer_id", "y")
-    assert table.ids == ("007", "8")
+    assert list(table.ids) == ["007", "8"]
     assert table.schema.numeric == ("age",) and table.schema.categorical == ("job",)
     assert table.features["age"].tolist() == [31.0, 40.0]
     assert table.labels is not None and table.labels.tolist() == ["no", "yes"]
@@ -61,6 +61,28 @@ def test_empty_and_missing_files(tmp_path: Path) -> None:
         load_party_table(tmp_path / "header.csv", "customer_id")
     with pytest.raises(DataError, match="nothere.csv: no such file"):
         load_party_table(tmp_path / "nothere.csv", "customer_id")
+
+
+def test_a_row_of_the_wrong_width_is_named_by_number_never_quoted(tmp_path: Path) -> None:
+    """Arrow's reader quotes the offending row; a customer's ID must not reach an error message or a log."""
+    (tmp_path / "long.csv").write_text("customer_id,a\nC-0001,x\nC-SECRET-77,y,z\n")
+    (tmp_path / "short.csv").write_text("customer_id,a\r\nC-0001,x\r\nC-SECRET-77\r\n")
+    for name, problem in (("long.csv", "row 3 has 3 fields; the header has 2"),
+                          ("short.csv", "row 3 has 1 field; the header has 2")):
+        with pytest.raises(DataError) as info:
+            load_party_table(tmp_path / name, "customer_id")
+        assert str(info.value) == f"{tmp_path / name}: not a readable CSV file ({problem})"
+
+
+def test_cells_are_text_as_written_whatever_the_reader(tmp_path: Path) -> None:
+    """NA, null and quoted separators are text as written; CRLF, CR and a BOM change nothing."""
+    body = 'customer_id,a\n1,NA\n2,null\n3,"x,y"\n4,\n'
+    for name, data in (("lf.csv", body.encode()), ("crlf.csv", body.replace("\n", "\r\n").encode()),
+                       ("cr.csv", body.replace("\n", "\r").encode()), ("bom.csv", b"\xef\xbb\xbf" + body.encode())):
+        (tmp_path / name).write_bytes(data)
+        table = load_party_table(tmp_path / name, "customer_id", categorical=["a"])
+        assert list(table.ids) == ["1", "2", "3", "4"], name
+        assert table.features["a"].tolist() == ["NA", "null", "x,y", ""], name
 
 
 def test_schema_naming_a_missing_column(write_csv) -> None:

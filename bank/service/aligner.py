@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 def seeded_order(table: PartyTable, rows: np.ndarray, seed: int) -> np.ndarray:
     """``rows`` sorted by ``SHA-256(seed || normalised ID)``: deterministic, and independent of file order."""
     prefix = seed.to_bytes(8, "little", signed=True)
-    keys = np.array([hashlib.sha256(prefix + table.normalized_ids[r]).digest() for r in rows], dtype="S32")
+    ids = table.normalized_ids
+    keys = np.fromiter((hashlib.sha256(prefix + ids[r]).digest() for r in rows), dtype="S32", count=len(rows))
     return rows[np.argsort(keys, kind="stable")]
 
 

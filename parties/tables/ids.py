@@ -20,15 +20,17 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-if TYPE_CHECKING:  # the settings read IdType for --help: no pandas for that
+if TYPE_CHECKING:  # the settings read IdType for --help: no pandas or Arrow for that
     import pandas as pd
+    import pyarrow as pa
 
-__all__ = ["ID_TYPES", "IdType", "canonical_ids", "id_formats", "infer_id_type", "normalize_id"]
+__all__ = ["ID_TYPES", "IdColumn", "IdType", "canonical_ids", "id_formats", "infer_id_type", "normalize_id"]
 
 IdType = Literal["integer", "text"]
 ID_TYPES: tuple[IdType, ...] = ("integer", "text")
@@ -40,6 +42,82 @@ _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 #: The ways one ID can be written, in the order a report lists them.
 FORMATS = ("plain integer", "zero-padded integer", "integer with a sign", "integer with a decimal point",
            "integer in exponent notation", "number with a fraction", "text", "with surrounding white space")
+
+
+class IdColumn(Sequence[bytes]):
+    """A party's canonical IDs in row order, held as one Arrow binary column.
+
+    A few bytes per ID rather than a Python object each (about 50 bytes more): at 10^7 customers the
+    difference is half a gigabyte. Reads as a sequence of ``bytes``; a slice is a list of just its IDs
+    (what a PSI worker is sent), and iterating makes Python objects a block at a time.
+    """
+
+    BLOCK = 1 << 16
+
+    def __init__(self, values: pa.Array | pa.ChunkedArray) -> None:
+        import pyarrow as pa
+
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        self._values = values.cast(pa.large_binary())
+
+    @classmethod
+    def of(cls, ids: Iterable[bytes]) -> IdColumn:
+        import pyarrow as pa
+
+        return ids if isinstance(ids, IdColumn) else cls(pa.array(list(ids), pa.large_binary()))
+
+    @property
+    def arrow(self) -> pa.Array:
+        """The column itself (``large_binary``), for vectorised work."""
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self._values.slice(start, max(0, stop - start)).to_pylist()
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError("ID index out of range")
+        return self._values[index].as_py()
+
+    def __iter__(self) -> Iterator[bytes]:
+        for start in range(0, len(self), self.BLOCK):
+            yield from self[start : start + self.BLOCK]
+
+    def take(self, rows: np.ndarray) -> list[bytes]:
+        """The IDs of ``rows``, in that order."""
+        import pyarrow as pa
+
+        return self._values.take(pa.array(np.asarray(rows, dtype=np.int64))).to_pylist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdColumn):
+            return self._values.equals(other._values)
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking: compared by value, never a dict key
+
+    def __repr__(self) -> str:
+        return f"IdColumn({len(self)} IDs)"
+
+
+def _arrow_text(values: pd.Series) -> pa.Array:
+    import pyarrow as pa
+
+    array = pa.array(values, from_pandas=True)
+    return array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
 
 
 def normalize_id(raw: object) -> bytes:
@@ -109,15 +187,20 @@ class IdError(ValueError):
         self.count, self.first, self.what = count, first, what
 
 
-def canonical_ids(raw: pd.Series, id_type: IdType) -> list[bytes]:
-    """Every ID's canonical bytes under ``id_type``; ``IdError`` for IDs that are not of that type."""
+def canonical_ids(raw: pd.Series, id_type: IdType) -> IdColumn:
+    """Every ID's canonical bytes under ``id_type``; ``IdError`` for IDs that are not of that type.
+
+    Computed column-wise in Arrow (no Python object per ID) but for integer IDs not written plainly.
+    """
     stripped = raw.str.strip()
     if id_type == "text":
-        return stripped.str.normalize("NFC").str.encode("utf-8").tolist()
+        import pyarrow.compute as pc
+
+        return IdColumn(pc.utf8_normalize(_arrow_text(stripped), "NFC"))
     plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool)
-    out = stripped.str.encode("ascii", errors="replace").tolist() if plain.all() else stripped.tolist()
     if plain.all():  # nearly every clean column: nothing to parse
-        return out
+        return IdColumn(_arrow_text(stripped))
+    out = stripped.tolist()
     bad: list[int] = []
     fractions = 0
     for pos in np.flatnonzero(~plain):
@@ -131,4 +214,6 @@ def canonical_ids(raw: pd.Series, id_type: IdType) -> list[bytes]:
         what = ("IDs that are numbers with a fraction, not integers" if fractions == len(bad) else
                 "IDs that are not integers" + (f" ({fractions} with a fraction)" if fractions else ""))
         raise IdError(len(bad), bad[0], what)
-    return [v.encode("ascii") for v in out]
+    import pyarrow as pa
+
+    return IdColumn(pa.array(out, pa.string()))
