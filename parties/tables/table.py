@@ -104,7 +104,7 @@ def read_table_text(path: Path) -> pd.DataFrame:
         if "CSV parse error" in str(exc):  # Arrow quotes the row, which may hold an ID: say where it is instead
             raise DataError(f"{path}: not a readable CSV file ({_ragged_row(path, separator)})") from None
         raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError, OSError) as exc:
+    except (UnicodeDecodeError, ValueError, OSError) as exc:
         raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
 
 
