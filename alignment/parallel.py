@@ -119,7 +119,20 @@ class Slices(Sequence[object]):
     def __getitem__(self, index: int) -> object:  # type: ignore[override]
         if not 0 <= index < self.count:
             raise IndexError("slice index out of range")
-        return self.records[index * self.step : (index + 1) * self.step]
+        part = self.records[index * self.step : (index + 1) * self.step]
+        return bytes(part) if isinstance(part, (bytearray, memoryview)) else part  # what a worker is sent
+
+
+def _gather(parts: Iterator[bytes], total: int) -> bytearray:
+    """Parts laid end to end in one buffer allocated once: never the parts and their join at once."""
+    out = bytearray(total)
+    at = 0
+    for part in parts:
+        out[at : at + len(part)] = part
+        at += len(part)
+    if at != total:
+        raise RuntimeError(f"the workers returned {at} bytes; {total} were expected")
+    return out
 
 
 class SlicePool:
@@ -144,7 +157,8 @@ class SlicePool:
         """``curve.hash_to_curve`` over all workers."""
         if not self._parallel(len(ids)):
             return curve.hash_to_curve(ids, dst)
-        return b"".join(self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None))  # type: ignore[arg-type]
+        return _gather(self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None),  # type: ignore[arg-type]
+                       len(ids) * curve.POINT_BYTES)
 
     def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
               cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
@@ -158,13 +172,15 @@ class SlicePool:
         fn: Callable[[bytes], bytes] = partial(curve.blind, key, out_bytes=out_bytes, validate=validate)
         parallel = self._parallel(n)
         results = self._ordered(fn, slices, cancel) if parallel else self._inline(fn, slices, cancel)  # type: ignore[arg-type]
-        parts = []
-        for i in range(len(slices)):
-            try:
-                parts.append(next(results))
-            except ValueError as exc:
-                raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
-        return b"".join(parts)
+
+        def named() -> Iterator[bytes]:
+            for i in range(len(slices)):
+                try:
+                    yield next(results)
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
+
+        return _gather(named(), n * out_bytes)
 
     @staticmethod
     def _inline(fn: Callable[[bytes], bytes], slices: Sequence[bytes],

@@ -94,7 +94,7 @@ def n_chunks(count: int, chunk_items: int) -> int:
 
 def chunk_of(blob: bytes, index: int, chunk_items: int, width: int) -> bytes:
     step = chunk_items * width
-    return blob[index * step : (index + 1) * step]
+    return bytes(blob[index * step : (index + 1) * step])
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,9 @@ def intersect(own_double: bytes, peer_double: bytes, width: int = TRUNCATED_BYTE
     return own_idx.astype(np.int64), peer_idx.astype(np.int64)
 
 
-def _permuted(points: bytes, order: np.ndarray) -> bytes:
-    return np.frombuffer(points, dtype=f"S{curve.POINT_BYTES}")[order].tobytes() if len(order) else b""
+def _permuted(points: bytes, order: np.ndarray) -> memoryview:
+    """``points`` in ``order``: one copy, seen as bytes."""
+    return memoryview(np.frombuffer(points, dtype=np.uint8).reshape(-1, curve.POINT_BYTES)[order].reshape(-1))
 
 
 def fresh_order(n: int) -> np.ndarray:
@@ -144,7 +145,8 @@ class ChunkedReceiver:
 
     def __init__(self, name: str, count: int, width: int, chunk_items: int) -> None:
         self.name, self.count, self.width, self.chunk_items = name, count, width, chunk_items
-        self._parts: list[bytes] = []
+        self._buffer = bytearray(count * width)  # filled in place: never the chunks and their join at once
+        self._chunks = 0
         self.received = 0  # records so far
 
     @property
@@ -157,18 +159,20 @@ class ChunkedReceiver:
     def add(self, index: int, data: bytes) -> None:
         if self.complete:
             raise OutOfOrder(f"all {self.name} chunks were already received")
-        if index != len(self._parts):
-            raise OutOfOrder(f"{self.name} chunk {index} arrived; expected chunk {len(self._parts)}")
+        if index != self._chunks:
+            raise OutOfOrder(f"{self.name} chunk {index} arrived; expected chunk {self._chunks}")
         expected = min(self.chunk_items, self.count - self.received) * self.width
         if len(data) != expected:
             raise BadMessage(f"{self.name} chunk {index} has {len(data)} bytes; expected {expected}")
-        self._parts.append(data)
+        at = self.received * self.width
+        self._buffer[at : at + expected] = data
+        self._chunks += 1
         self.received += expected // self.width
 
-    def value(self) -> bytes:
+    def value(self) -> bytearray:
         if not self.complete:
             raise OutOfOrder(f"{self.name}: {self.received} of {self.count} records received")
-        return b"".join(self._parts)
+        return self._buffer
 
 
 @dataclass(frozen=True)
