@@ -31,6 +31,7 @@ from functools import partial
 from itertools import islice
 
 from alignment import curve
+from alignment.spool import Permuted, Spool
 
 __all__ = ["SlicePool", "WorkerPool", "make_pool", "start_fork_server"]
 
@@ -123,16 +124,20 @@ class Slices(Sequence[object]):
         return bytes(part) if isinstance(part, (bytearray, memoryview)) else part  # what a worker is sent
 
 
-def _gather(parts: Iterator[bytes], total: int) -> bytearray:
-    """Parts laid end to end in one buffer allocated once: never the parts and their join at once."""
-    out = bytearray(total)
+def _gather(parts: Iterator[bytes], total: int, into: Spool | None = None) -> bytearray | Spool:
+    """Parts laid end to end, in one buffer allocated once (never the parts and their join at once) or
+    appended to ``into``, a set on disk."""
+    out = bytearray(0 if into is not None else total)
     at = 0
     for part in parts:
-        out[at : at + len(part)] = part
+        if into is not None:
+            into.write(part)
+        else:
+            out[at : at + len(part)] = part
         at += len(part)
     if at != total:
         raise RuntimeError(f"the workers returned {at} bytes; {total} were expected")
-    return out
+    return into if into is not None else out
 
 
 class SlicePool:
@@ -160,12 +165,15 @@ class SlicePool:
         return _gather(self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None),  # type: ignore[arg-type]
                        len(ids) * curve.POINT_BYTES)
 
-    def blind(self, key: bytes, points: bytes, out_bytes: int = curve.POINT_BYTES,
-              cancel: threading.Event | None = None, *, validate: bool = True) -> bytes:
+    def blind(self, key: bytes, points: bytes | Spool | Permuted, out_bytes: int = curve.POINT_BYTES,
+              cancel: threading.Event | None = None, *, validate: bool = True,
+              into: Spool | None = None) -> bytes | Spool:
         """``curve.blind`` over all workers; ``cancel`` set stops it between slices (``CancelledError``).
 
-        ``validate``: check every point first (``curve.check_points``); only a party's own freshly hashed
-        points skip it. A bad point is named by the slice it is in and its place there.
+        ``points``: bytes, or anything read like bytes by slice (``alignment.spool``). ``validate``: check
+        every point first (``curve.check_points``); only a party's own freshly hashed points skip it. A bad
+        point is named by the slice it is in and its place there. ``into``: write the results there (and
+        return it) instead of in memory.
         """
         n = len(points) // curve.POINT_BYTES
         slices = Slices(points, SLICE_RECORDS, curve.POINT_BYTES)
@@ -180,7 +188,7 @@ class SlicePool:
                 except ValueError as exc:
                     raise ValueError(f"{exc} (in the slice from point {i * SLICE_RECORDS})") from exc
 
-        return _gather(named(), n * out_bytes)
+        return _gather(named(), n * out_bytes, into)
 
     @staticmethod
     def _inline(fn: Callable[[bytes], bytes], slices: Sequence[bytes],

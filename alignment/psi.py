@@ -40,13 +40,16 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from alignment import curve
 from alignment.parallel import SlicePool
+from alignment.spool import Permuted, Spool
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -130,11 +133,6 @@ def intersect(own_double: bytes, peer_double: bytes, width: int = TRUNCATED_BYTE
     return own_idx.astype(np.int64), peer_idx.astype(np.int64)
 
 
-def _permuted(points: bytes, order: np.ndarray) -> memoryview:
-    """``points`` in ``order``: one copy, seen as bytes."""
-    return memoryview(np.frombuffer(points, dtype=np.uint8).reshape(-1, curve.POINT_BYTES)[order].reshape(-1))
-
-
 def fresh_order(n: int) -> np.ndarray:
     """A random permutation of ``range(n)`` from the OS's randomness: the order a blinded set is sent in."""
     return np.random.default_rng(secrets.randbits(128)).permutation(n)
@@ -143,9 +141,10 @@ def fresh_order(n: int) -> np.ndarray:
 class ChunkedReceiver:
     """Collects ``count`` fixed-width records sent as numbered chunks, strictly in order."""
 
-    def __init__(self, name: str, count: int, width: int, chunk_items: int) -> None:
+    def __init__(self, name: str, count: int, width: int, chunk_items: int, spool: Spool | None = None) -> None:
         self.name, self.count, self.width, self.chunk_items = name, count, width, chunk_items
-        self._buffer = bytearray(count * width)  # filled in place: never the chunks and their join at once
+        # Filled in place (never the chunks and their join at once), in memory or on disk.
+        self._buffer: bytearray | Spool = spool if spool is not None else bytearray(count * width)
         self._chunks = 0
         self.received = 0  # records so far
 
@@ -164,12 +163,15 @@ class ChunkedReceiver:
         expected = min(self.chunk_items, self.count - self.received) * self.width
         if len(data) != expected:
             raise BadMessage(f"{self.name} chunk {index} has {len(data)} bytes; expected {expected}")
-        at = self.received * self.width
-        self._buffer[at : at + expected] = data
+        if isinstance(self._buffer, Spool):
+            self._buffer.write(data)
+        else:
+            at = self.received * self.width
+            self._buffer[at : at + expected] = data
         self._chunks += 1
         self.received += expected // self.width
 
-    def value(self) -> bytearray:
+    def value(self) -> bytearray | Spool:
         if not self.complete:
             raise OutOfOrder(f"{self.name}: {self.received} of {self.count} records received")
         return self._buffer
@@ -238,6 +240,7 @@ class PsiResponder:
     chunk_items: int = CHUNK_ITEMS
     owner: str = ""  # the bank's certificate name: only it may use the session
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    spool_dir: Path | None = None  # where the blinded sets are kept on disk (None: the system's temporary folder)
     last_used: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -250,11 +253,16 @@ class PsiResponder:
         self.cancelled = threading.Event()
         self.own_count = len(self.own_points) // curve.POINT_BYTES
         self._order = fresh_order(self.own_count)
-        self._peer_blinded = ChunkedReceiver("blinded", self.peer_count, curve.POINT_BYTES, self.chunk_items)
-        shuffled = _permuted(self.own_points, self._order)
-        self._own_blinded: Future[bytes] = self.threads.submit(
-            self.pool.blind, self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False)
-        self._peer_double: Future[bytes] | None = None
+        # Every set but the own hashed points is on disk: the session's memory is 40 bytes per own ID.
+        self._spools = [Spool(curve.POINT_BYTES, self.spool_dir), Spool(curve.POINT_BYTES, self.spool_dir),
+                        Spool(TRUNCATED_BYTES, self.spool_dir)]
+        self._peer_blinded = ChunkedReceiver("blinded", self.peer_count, curve.POINT_BYTES, self.chunk_items,
+                                             self._spools[1])
+        shuffled = Permuted(self.own_points, self._order, curve.POINT_BYTES)
+        self._own_blinded: Future[Spool] = self.threads.submit(
+            self.pool.blind, self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
+            into=self._spools[0])
+        self._peer_double: Future[Spool] | None = None
         self._start_reblinding()
 
     def touch(self) -> None:
@@ -271,12 +279,14 @@ class PsiResponder:
         for future in (self._own_blinded, self._peer_double):
             if future is not None:
                 future.cancel()
+        for spool in self._spools:
+            spool.close()
 
     def _start_reblinding(self) -> None:
         if self._peer_double is None and self._peer_blinded.complete:
             self._peer_double = self.threads.submit(
-                self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES, self.cancelled
-            )
+                self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES, self.cancelled,
+                into=self._spools[2])
 
     def receive_blinded(self, index: int, data: bytes) -> None:
         with self._lock:
@@ -311,8 +321,9 @@ class PsiResponder:
             raise BadMessage(f"chunk {index} does not exist")
 
 
-def _receive(what: str, count: int, width: int, chunk_items: int, get: Callable[[int], bytes]) -> bytes:
-    received = ChunkedReceiver(what, count, width, chunk_items)
+def _receive(what: str, count: int, width: int, chunk_items: int, get: Callable[[int], bytes],
+             spool: Spool | None = None) -> bytearray | Spool:
+    received = ChunkedReceiver(what, count, width, chunk_items, spool)
     for i in range(received.expected_chunks()):
         try:
             received.add(i, get(i))
@@ -332,6 +343,7 @@ def run_initiator(
     cancel: threading.Event | None = None,
     id_type: IdType = "text",
     admit: Callable[[SessionInfo], None] | None = None,
+    spool_dir: Path | None = None,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
@@ -342,12 +354,15 @@ def run_initiator(
     refused (``IdTypeMismatch``): matched, the two would silently share fewer customers than they do.
     Every size the peer announces is checked against what was agreed before anything is read.
     ``cancel`` set stops the blinding between slices (``CancelledError``); the session is aborted.
+    The blinded sets sent and received are kept on disk, in ``spool_dir`` (None: the system's temporary
+    folder); only the two double-blinded sets, to intersect, are in memory.
     """
     say = progress or (lambda _msg: None)
     own_count = len(own_points) // curve.POINT_BYTES
     key = curve.generate_key()
     order = fresh_order(own_count)
     info = peer.open(own_count, chunk_items, id_type)
+    spools = ExitStack()
     try:
         check_id_types(id_type, info.id_type, "the bank", "the partner")
         if info.chunk_items != chunk_items:
@@ -357,14 +372,16 @@ def run_initiator(
         if admit is not None:
             admit(info)
         say("blinding own IDs")
-        shuffled = _permuted(own_points, order)
-        own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False)  # our own hashes: nothing to check
+        shuffled = Permuted(own_points, order, curve.POINT_BYTES)
+        own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # our own hashes: nothing to check
+                                 into=spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
         for i in range(n_chunks(own_count, chunk_items)):
             peer.put_blinded(info.session_id, i, chunk_of(own_blinded, i, chunk_items, curve.POINT_BYTES))
         # The peer re-blinds our set while we re-blind its own: fetch its set first, then ours back.
         say("receiving the peer's blinded IDs")
         peer_blinded = _receive("blinded set", info.peer_count, curve.POINT_BYTES, chunk_items,
-                                lambda i: peer.get_blinded(info.session_id, i))
+                                lambda i: peer.get_blinded(info.session_id, i),
+                                spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
         say("re-blinding the peer's IDs")
         try:
             peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES, cancel)
@@ -377,8 +394,10 @@ def run_initiator(
             own_idx, peer_idx = intersect(own_double, peer_double)
         except BadMessage as exc:
             raise PeerError(f"the peer's values are unusable: {exc}") from exc
+        spools.close()
         return info.session_id, PsiResult(rows=order[own_idx].astype(np.int64), peer_positions=peer_idx)
     except BaseException:
+        spools.close()
         try:
             peer.abort(info.session_id)
         except Exception:  # the peer may be the reason we are here

@@ -70,7 +70,7 @@ class PsiDesk:
                 self._drop(bank, oldest, "aborted", "its bank opened another with every slot taken")
         points = self._hashed_for(bank).result()
         responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items, bank,
-                                 session_id=session_id)
+                                 session_id=session_id, spool_dir=self.settings.cache_dir)
         with self._lock:
             space.psi[session_id] = responder
         logger.info("PSI session %s opened by %s", session_id, bank)

@@ -14,12 +14,13 @@ from alignment import curve, psi
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import MAX_IDS, TRUNCATED_BYTES, PsiResponder, run_initiator
+from alignment.spool import Permuted
 from bank.service.aligner import align_with_partners
 from bank.vertical.http_partner import HttpPartner
 from data.prepare import prepare_bank_marketing
 from parties.errors import OverBudget, PeerError, UnknownSession
-from parties.protocol import psi as psi_routes
 from parties.limits import PsiLimits
+from parties.protocol import psi as psi_routes
 from parties.tables.table import load_party_table
 from parties.transport.client import make_client
 from parties.transport.server import ServerThread
@@ -69,11 +70,11 @@ def test_each_side_sends_its_set_in_a_fresh_random_order(pool, threads, monkeypa
     session_id, result = run_initiator(peer, bank_points, pool, chunk_items=1000)
     (bank_key, partner_key), (bank_order, partner_order) = keys, orders
     # What the partner received is the bank's set blinded, in the bank's fresh order, not in its file order.
-    assert peer.sent[0] == curve.blind(bank_key, psi._permuted(bank_points, bank_order))
+    assert peer.sent[0] == curve.blind(bank_key, Permuted(bank_points, bank_order, curve.POINT_BYTES)[:])
     assert peer.sent[0] != curve.blind(bank_key, bank_points)
     assert np.mean(bank_order == np.arange(300)) < 0.05
     # And the same for what the bank received of the partner's set.
-    assert peer.received[0] == curve.blind(partner_key, psi._permuted(partner_points, partner_order))
+    assert peer.received[0] == curve.blind(partner_key, Permuted(partner_points, partner_order, curve.POINT_BYTES)[:])
     assert np.mean(partner_order == np.arange(300)) < 0.05
     assert len(result) == 200
 

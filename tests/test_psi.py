@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from alignment import curve
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
-from alignment.psi import TRUNCATED_BYTES, intersect, run_initiator
+from alignment.psi import TRUNCATED_BYTES, PsiResponder, SessionInfo, intersect, run_initiator
 from parties.errors import BadMessage, OutOfOrder
 
 
@@ -104,3 +106,48 @@ def test_chunks_must_arrive_in_order_and_whole(pool, threads) -> None:
         responder.reblinded_chunk(0, timeout=1)
     with pytest.raises(OutOfOrder, match="not complete"):
         responder.finish(np.arange(1))
+
+
+def test_a_session_keeps_its_blinded_sets_on_disk_in_unnamed_files(tmp_path, threads) -> None:
+    """Past the own hashed points, a session's memory is its order (8 bytes an ID) and the result: the blinded
+    sets it sent and received (76 bytes an ID more, held for the session's life) are in files of ``spool_dir``
+    that have no name, so neither a crash nor a reader of the folder finds them."""
+    n = 1 << 13
+    ids = [b"%d" % i for i in np.random.default_rng(1).permutation(4 * n)[: 2 * n]]
+    bank_points, partner_points = curve.hash_to_curve(ids[:n]), curve.hash_to_curve(ids[n // 2 : n // 2 + n])
+    pool = WorkerPool(1)  # inline: every allocation is this process's
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+
+    def spooled() -> list[str]:  # this process's open files in spool_dir
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # the listing's own descriptor, closed by now
+                continue
+        return [link for link in links if link.startswith(str(spool_dir))]
+
+    run_initiator(LocalPsiPeer(partner_points[:3200], pool, threads), bank_points[:3200], pool)  # imports, caches
+    peer = LocalPsiPeer(partner_points, pool, threads)
+    peer.open = lambda count, chunk_items, id_type="text": _open_spooled(peer, count, chunk_items, spool_dir)
+    tracemalloc.start()
+    try:
+        session_id, result = run_initiator(peer, bank_points, pool, chunk_items=1024, spool_dir=spool_dir)
+        peer.sent.clear()
+        peer.received.clear()  # what the test peer records for inspection
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(result) == n // 2
+    assert held < 40 * n, f"{held / n:.0f} bytes an ID held by the open session and the result"
+    assert os.listdir(spool_dir) == [] and len(spooled()) == 3  # the responder's three sets: open, nameless
+    peer.commit(session_id, "a", result.peer_positions)
+    peer.abort(session_id)
+    assert spooled() == []
+
+
+def _open_spooled(peer: LocalPsiPeer, count: int, chunk_items: int, spool_dir) -> SessionInfo:
+    r = PsiResponder(peer.own_points, count, peer.pool, peer.threads, chunk_items, spool_dir=spool_dir)
+    peer.sessions[r.session_id] = r
+    return SessionInfo(r.session_id, r.own_count, r.chunk_items, peer.id_type)

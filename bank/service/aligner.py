@@ -162,7 +162,7 @@ def align_with_partners(
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
-                                               id_type=table.id_type, admit=logged[name].admit)
+                                               id_type=table.id_type, admit=logged[name].admit, spool_dir=cache_dir)
             with lock:
                 opened[name] = (session_id, result)
             report(f"{len(result):,} common customers")  # logged by the reporter

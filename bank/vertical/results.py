@@ -72,7 +72,7 @@ def write_run(
     test = outcome.split.test
     predictions = pd.DataFrame({"position": test, "target": targets[torch.from_numpy(test)].numpy()})
     if bank_ids is not None:
-        predictions.insert(1, id_column, [bank_ids[r] for r in bank_rows[test]])
+        predictions.insert(1, id_column, pd.Series(bank_ids).iloc[bank_rows[test]].tolist())
     for column, values in task.score_columns(outcome.test_scores).items():
         predictions[column] = values
     _csv(run_dir / "test_predictions.csv", predictions)
