@@ -49,7 +49,7 @@ import numpy as np
 
 from alignment import curve
 from alignment.parallel import SlicePool
-from alignment.spool import Permuted, Spool
+from alignment.spool import Permuted, Spool, intersect_on_disk
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -124,10 +124,26 @@ def _unique(blob: bytes, width: int, what: str) -> np.ndarray:
     return values
 
 
-def intersect(own_double: bytes, peer_double: bytes, width: int = TRUNCATED_BYTES) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in each of two sets of double-blinded values of their common values, ordered by value."""
-    own = _unique(own_double, width, "own double-blinded set")
-    peer = _unique(peer_double, width, "peer double-blinded set")
+#: From this many values in the two sets together, they are intersected on disk (``alignment.spool``).
+ON_DISK_FROM = 1 << 21
+
+
+def intersect(own_double: bytes | bytearray | Spool, peer_double: bytes | bytearray | Spool,
+              width: int = TRUNCATED_BYTES, folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in each of two sets of double-blinded values of their common values, ordered by value.
+
+    Large sets are intersected on disk, in ``folder`` (None: the system's temporary folder), in the same order.
+    """
+    for what, blob in (("own", own_double), ("peer", peer_double)):
+        if len(blob) % width:
+            raise BadMessage(f"the {what} double-blinded set is not a whole number of {width}-byte values")
+    if (len(own_double) + len(peer_double)) // width >= ON_DISK_FROM:
+        try:
+            return intersect_on_disk(own_double, peer_double, width, folder)
+        except ValueError as exc:  # a repeated value
+            raise BadMessage(str(exc)) from exc
+    own = _unique(own_double[:], width, "own double-blinded set")
+    peer = _unique(peer_double[:], width, "peer double-blinded set")
     # Fixed-width byte strings sort by their raw bytes: an order that says nothing about either file.
     _, own_idx, peer_idx = np.intersect1d(own, peer, return_indices=True)
     return own_idx.astype(np.int64), peer_idx.astype(np.int64)
@@ -355,7 +371,7 @@ def run_initiator(
     Every size the peer announces is checked against what was agreed before anything is read.
     ``cancel`` set stops the blinding between slices (``CancelledError``); the session is aborted.
     The blinded sets sent and received are kept on disk, in ``spool_dir`` (None: the system's temporary
-    folder); only the two double-blinded sets, to intersect, are in memory.
+    folder), and so, when they are large, is the intersection of the two double-blinded sets.
     """
     say = progress or (lambda _msg: None)
     own_count = len(own_points) // curve.POINT_BYTES
@@ -384,14 +400,16 @@ def run_initiator(
                                 spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
         say("re-blinding the peer's IDs")
         try:
-            peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES, cancel)
+            peer_double = pool.blind(key, peer_blinded, TRUNCATED_BYTES, cancel,
+                                     into=spools.enter_context(closing(Spool(TRUNCATED_BYTES, spool_dir))))
         except ValueError as exc:
             raise PeerError(f"the peer's blinded set is unusable: {exc}") from exc
         say("receiving own IDs blinded by the peer")
         own_double = _receive("re-blinded set", own_count, TRUNCATED_BYTES, chunk_items,
-                              lambda i: peer.get_reblinded(info.session_id, i))
+                              lambda i: peer.get_reblinded(info.session_id, i),
+                              spools.enter_context(closing(Spool(TRUNCATED_BYTES, spool_dir))))
         try:
-            own_idx, peer_idx = intersect(own_double, peer_double)
+            own_idx, peer_idx = intersect(own_double, peer_double, folder=spool_dir)
         except BadMessage as exc:
             raise PeerError(f"the peer's values are unusable: {exc}") from exc
         spools.close()

@@ -83,3 +83,66 @@ class Permuted:
         if start % self.width or (stop % self.width and stop != len(self)):
             raise ValueError("a permuted set is read in whole records")
         return self._rows[self._order[start // self.width : stop // self.width]].tobytes()
+
+
+#: Records per run of the partition pass: a run is sorted by bucket in memory (20 bytes a record), then written.
+RUN_RECORDS = 1 << 20
+BUCKETS = 256  # by a value's first byte: blinded values are uniform, so each bucket holds 1/256 of a set
+
+
+class Partitioned:
+    """A set of ``width``-byte values (each with its position) split by first byte into ``BUCKETS`` buckets, on disk.
+
+    One pass: each run of ``RUN_RECORDS`` values is ordered by bucket and written as one block; a bucket is
+    then its segment of every run. Memory: one run, and one bucket when it is read.
+    """
+
+    def __init__(self, values: bytes | bytearray | Spool, width: int, folder: Path | None = None) -> None:
+        self.width, self.count = width, len(values) // width
+        self._record = np.dtype([("value", f"V{width}"), ("position", "<i8")])
+        self._spool = Spool(self._record.itemsize, folder)
+        self._bounds: list[np.ndarray] = []  # per run: where each bucket starts in the spool (records), and ends
+        for start in range(0, self.count, RUN_RECORDS):
+            stop = min(self.count, start + RUN_RECORDS)
+            raw = np.frombuffer(values[start * width : stop * width], dtype=np.uint8).reshape(-1, width)
+            order = np.argsort(raw[:, 0], kind="stable")
+            run = np.empty(stop - start, dtype=self._record)
+            run["value"] = raw[order].reshape(-1).view(f"V{width}")
+            run["position"] = order + start
+            offset = len(self._spool) // self._record.itemsize
+            self._bounds.append(offset + np.searchsorted(raw[order, 0], np.arange(BUCKETS + 1)))
+            self._spool.write(run.tobytes())
+
+    def bucket(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket ``b``: its values (fixed-width bytes) and their positions in the set."""
+        size = self._record.itemsize
+        parts = [self._spool[int(bounds[b]) * size : int(bounds[b + 1]) * size] for bounds in self._bounds]
+        records = np.frombuffer(b"".join(parts), dtype=self._record)
+        return records["value"].view(f"S{self.width}"), records["position"]
+
+    def close(self) -> None:
+        self._spool.close()
+
+
+def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | Spool, width: int,
+                      folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``psi.intersect`` for sets larger than memory: each set partitioned on disk, then intersected bucket by bucket.
+
+    Buckets split by first byte and each sorted by value, so the pairs come out in the same order as the
+    in-memory intersection's: by value. A value repeated within a set is refused (``ValueError`` naming the set).
+    """
+    own_parts, peer_parts = Partitioned(own, width, folder), Partitioned(peer, width, folder)
+    try:
+        own_rows, peer_rows = [], []
+        for b in range(BUCKETS):
+            (own_values, own_pos), (peer_values, peer_pos) = own_parts.bucket(b), peer_parts.bucket(b)
+            for what, values in (("own", own_values), ("peer", peer_values)):
+                if len(np.unique(values)) != len(values):
+                    raise ValueError(f"the {what} double-blinded set repeats a value")
+            _, i, j = np.intersect1d(own_values, peer_values, assume_unique=True, return_indices=True)
+            own_rows.append(own_pos[i])
+            peer_rows.append(peer_pos[j])
+        return np.concatenate(own_rows).astype(np.int64), np.concatenate(peer_rows).astype(np.int64)
+    finally:
+        own_parts.close()
+        peer_parts.close()

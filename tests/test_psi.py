@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from alignment import curve
+from alignment import curve, psi, spool
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, PsiResponder, SessionInfo, intersect, run_initiator
@@ -48,7 +48,7 @@ CASES = {
 
 
 @pytest.mark.parametrize(("bank", "partner"), CASES.values(), ids=CASES.keys())
-def test_psi_equals_set_intersection_in_one_order(bank, partner, pool, threads) -> None:
+def test_psi_equals_set_intersection_in_one_order(bank, partner, pool, threads, where) -> None:
     bank_result, partner_rows, _ = run_psi(bank, partner, pool, threads)
     norm = curve.normalize_id
     expected = {norm(i) for i in bank} & {norm(i) for i in partner}
@@ -85,12 +85,39 @@ def test_parallel_pool_matches_inline(threads) -> None:
         assert parallel.blind(key, points, 12) == curve.blind(key, points, 12)
 
 
-def test_intersect_refuses_repeated_values() -> None:
+@pytest.fixture(params=["in memory", "on disk"])
+def where(request, monkeypatch) -> str:
+    """Every intersection both ways: in memory, and on disk in runs of 5 values (so a set spans runs)."""
+    if request.param == "on disk":
+        monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+        monkeypatch.setattr(spool, "RUN_RECORDS", 5)
+    return request.param
+
+
+def test_intersect_refuses_repeated_values(where) -> None:
     value = b"x" * TRUNCATED_BYTES
     with pytest.raises(BadMessage, match="repeats"):
         intersect(value, value + value)
+    with pytest.raises(BadMessage, match="repeats"):
+        intersect(bytes(range(12)) * 3 + value, value + bytes(24))
     with pytest.raises(BadMessage, match="whole number"):
         intersect(b"abc", b"")
+
+
+def test_on_disk_and_in_memory_intersections_agree_pair_for_pair(monkeypatch, tmp_path) -> None:
+    """Same pairs in the same order (by value), over sets spanning many runs, with empty and trailing-zero values."""
+    rng = np.random.default_rng(3)
+    common = rng.bytes(12 * 700) + bytes(12) + b"\x01" + bytes(11)  # edge values: all zero, a one then zeros
+    own = np.frombuffer(rng.bytes(12 * 900) + common, "V12")[rng.permutation(1602)].tobytes()
+    peer = np.frombuffer(common + rng.bytes(12 * 300), "V12")[rng.permutation(1002)].tobytes()
+    in_memory = intersect(own, peer)
+    assert len(in_memory[0]) == 702
+    monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+    monkeypatch.setattr(spool, "RUN_RECORDS", 97)
+    on_disk = intersect(own, peer, folder=tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(in_memory, on_disk, strict=True))
+    assert os.listdir(tmp_path) == []  # its runs were in unnamed files
+    assert intersect(b"", peer, folder=tmp_path)[0].size == 0
 
 
 def test_chunks_must_arrive_in_order_and_whole(pool, threads) -> None:
