@@ -122,7 +122,7 @@ def _lying_partner(count: int, chunk_items: int | None, body_bytes: int) -> Fast
 
 
 @pytest.mark.parametrize(("count", "chunk_items", "body_bytes", "refusal"), [
-    (MAX_IDS + 1, None, 320, "announced 67108865 IDs"),
+    (MAX_IDS + 1, None, 320, f"announced {MAX_IDS + 1} IDs"),
     (10, 7, 320, "chunks of 7 IDs; 65536 were asked"),
     (10, None, 50 << 20, r"announced 52428800 bytes \(its blinded IDs\); no more than 2097152"),
 ], ids=["too-many-ids", "other-chunk-size", "oversized-body"])

@@ -41,8 +41,10 @@ __all__ = [
 #: 2: one-sided output (only the bank learns the intersection), shuffled sets, and the bank
 #: receives before it sends anything echoable (``alignment.psi``).
 PROTOCOL_VERSION = 2
-#: The most IDs either side of a session accepts from the other (the protocol's bound; policies are lower).
-MAX_IDS = 1 << 26
+#: The most IDs either side of a session accepts from the other: what a commit's uint32 positions can name.
+#: Memory does not bound it (the sets are on disk, ``alignment.spool``); each party's policy does, per peer
+#: (``parties.limits.PsiLimits``: by default twice its own set a session, four times a day).
+MAX_IDS = (1 << 32) - 1
 #: The most IDs in one chunk of a PUT or GET.
 MAX_CHUNK_ITEMS = 1 << 18
 #: Which alignment a commit fixes (the bank's ID for it).
