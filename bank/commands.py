@@ -32,12 +32,13 @@ __all__ = [
 
 def serve(args: argparse.Namespace) -> int:
     from bank.settings import BankSettings
-    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, BankSettings)
     assert isinstance(settings, BankSettings)
     pin_cpus(settings.cpus)
+    use_system_allocator()
     table = settings.load_table()
     set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server

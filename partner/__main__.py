@@ -38,13 +38,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m partner") -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
     from partner.settings import PartnerSettings
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, PartnerSettings)
     assert isinstance(settings, PartnerSettings)
     pin_cpus(settings.cpus)
+    use_system_allocator()
     table = settings.load_table()
     set_torch_threads(settings.torch_threads)
     from alignment.parallel import start_fork_server
@@ -57,12 +58,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_layers(args: argparse.Namespace) -> int:
-    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
     from partner.settings import BranchSettings, ComputeSettings
 
     settings = service_settings(args, ComputeSettings if args.command == "compute" else BranchSettings)
     assert isinstance(settings, (ComputeSettings, BranchSettings))
     pin_cpus(settings.cpus)
+    use_system_allocator()
     table = settings.load_table() if settings.data is not None else None  # before torch: a refusal is quick
     set_torch_threads(settings.torch_threads)
     from parties.transport.server import serve_party

@@ -125,31 +125,30 @@ class TabularEncoder:
         """
         if not self.categories_ and self.schema.categorical:
             raise DataError("the encoder is not fitted")
-        blocks = []
+        # One float32 matrix, filled column by column: never a float64 block per column and their join.
+        out = np.zeros((len(frame), self.width), dtype=np.float32)
         fallbacks: Fallbacks = {}
-        for col in self.schema.numeric:
+        for j, col in enumerate(self.schema.numeric):
             values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=np.float64)
             missing = np.isnan(values)
             if missing.any():
                 fallbacks[col] = {MISSING_NUMBER: int(missing.sum())}
                 values = np.where(missing, self.means_[col], values)
-            blocks.append(((values - self.means_[col]) / self.scales_[col])[:, None])
+            out[:, j] = (values - self.means_[col]) / self.scales_[col]  # computed in float64, rounded once
+        at = len(self.schema.numeric)
         for col in self.schema.categorical:
             cats = self.categories_[col]
             text = category_text(frame[col])
             codes = pd.Index(cats).get_indexer(text)
-            onehot = np.zeros((len(frame), len(cats)))
             known = codes >= 0
-            onehot[np.flatnonzero(known), codes[known]] = 1.0
-            blocks.append(onehot)
+            out[np.flatnonzero(known), at + codes[known]] = 1.0
+            at += len(cats)
             empty = int(((text == "") & ~known).sum())
             unseen = int((~known).sum()) - empty
             counts = {k: v for k, v in ((UNSEEN, unseen), (MISSING_CATEGORY, empty)) if v}
             if counts:
                 fallbacks[col] = counts
-        if not blocks:
-            return np.zeros((len(frame), 0), dtype=np.float32), fallbacks
-        return np.hstack(blocks).astype(np.float32), fallbacks
+        return out, fallbacks
 
     def to_dict(self) -> dict[str, Any]:
         return {
