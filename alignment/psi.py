@@ -49,7 +49,7 @@ import numpy as np
 
 from alignment import curve
 from alignment.parallel import SlicePool
-from alignment.spool import Permuted, Spool, intersect_on_disk
+from alignment.spool import ChunkedReceiver, Permuted, Spool, chunk_of, intersect_on_disk, n_chunks
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -91,15 +91,6 @@ TRUNCATED_BYTES = 12
 CHUNK_ITEMS = 1 << 16
 
 
-def n_chunks(count: int, chunk_items: int) -> int:
-    return (count + chunk_items - 1) // chunk_items
-
-
-def chunk_of(blob: bytes, index: int, chunk_items: int, width: int) -> bytes:
-    step = chunk_items * width
-    return bytes(blob[index * step : (index + 1) * step])
-
-
 @dataclass(frozen=True)
 class PsiResult:
     """The bank's view of the intersection.
@@ -130,10 +121,8 @@ ON_DISK_FROM = 1 << 21
 
 def intersect(own_double: bytes | bytearray | Spool, peer_double: bytes | bytearray | Spool,
               width: int = TRUNCATED_BYTES, folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in each of two sets of double-blinded values of their common values, ordered by value.
-
-    Large sets are intersected on disk, in ``folder`` (None: the system's temporary folder), in the same order.
-    """
+    """Positions in each of two sets of double-blinded values of their common values, ordered by value; large
+    sets are intersected on disk, in ``folder`` (None: the system's temporary folder), in the same order."""
     for what, blob in (("own", own_double), ("peer", peer_double)):
         if len(blob) % width:
             raise BadMessage(f"the {what} double-blinded set is not a whole number of {width}-byte values")
@@ -152,45 +141,6 @@ def intersect(own_double: bytes | bytearray | Spool, peer_double: bytes | bytear
 def fresh_order(n: int) -> np.ndarray:
     """A random permutation of ``range(n)`` from the OS's randomness: the order a blinded set is sent in."""
     return np.random.default_rng(secrets.randbits(128)).permutation(n)
-
-
-class ChunkedReceiver:
-    """Collects ``count`` fixed-width records sent as numbered chunks, strictly in order."""
-
-    def __init__(self, name: str, count: int, width: int, chunk_items: int, spool: Spool | None = None) -> None:
-        self.name, self.count, self.width, self.chunk_items = name, count, width, chunk_items
-        # Filled in place (never the chunks and their join at once), in memory or on disk.
-        self._buffer: bytearray | Spool = spool if spool is not None else bytearray(count * width)
-        self._chunks = 0
-        self.received = 0  # records so far
-
-    @property
-    def complete(self) -> bool:
-        return self.received == self.count
-
-    def expected_chunks(self) -> int:
-        return n_chunks(self.count, self.chunk_items)
-
-    def add(self, index: int, data: bytes) -> None:
-        if self.complete:
-            raise OutOfOrder(f"all {self.name} chunks were already received")
-        if index != self._chunks:
-            raise OutOfOrder(f"{self.name} chunk {index} arrived; expected chunk {self._chunks}")
-        expected = min(self.chunk_items, self.count - self.received) * self.width
-        if len(data) != expected:
-            raise BadMessage(f"{self.name} chunk {index} has {len(data)} bytes; expected {expected}")
-        if isinstance(self._buffer, Spool):
-            self._buffer.write(data)
-        else:
-            at = self.received * self.width
-            self._buffer[at : at + expected] = data
-        self._chunks += 1
-        self.received += expected // self.width
-
-    def value(self) -> bytearray | Spool:
-        if not self.complete:
-            raise OutOfOrder(f"{self.name}: {self.received} of {self.count} records received")
-        return self._buffer
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ when it is closed or the process ends, so nothing is left behind by a crash), wr
 read by slice, like ``bytes``. What a spool holds is blinded under a key of this session only.
 
 ``Permuted`` is the other half of the trick: the own set in the session's random order, gathered a
-slice at a time when a worker needs it, never copied whole.
+slice at a time when a worker needs it, never copied whole. ``ChunkedReceiver`` fills a set (in memory
+or a spool) from the numbered chunks a peer sends; ``intersect_on_disk`` intersects two sets too large
+for memory.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Permuted", "Spool"]
+from parties.errors import BadMessage, OutOfOrder
+
+__all__ = ["ChunkedReceiver", "Partitioned", "Permuted", "Spool", "chunk_of", "intersect_on_disk", "n_chunks"]
 
 
 class Spool:
@@ -29,7 +33,7 @@ class Spool:
 
     def __init__(self, width: int, folder: Path | None = None) -> None:
         self.width = width
-        self._file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115: closed by close() or the collector
+        self._file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 -- closed by close(), or when collected
         self._size = 0
         self._lock = threading.Lock()  # a write never meets a close: its descriptor could be another file's by then
 
@@ -146,3 +150,51 @@ def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | 
     finally:
         own_parts.close()
         peer_parts.close()
+
+
+def n_chunks(count: int, chunk_items: int) -> int:
+    return (count + chunk_items - 1) // chunk_items
+
+
+def chunk_of(blob: bytes, index: int, chunk_items: int, width: int) -> bytes:
+    step = chunk_items * width
+    return bytes(blob[index * step : (index + 1) * step])
+
+
+class ChunkedReceiver:
+    """Collects ``count`` fixed-width records sent as numbered chunks, strictly in order."""
+
+    def __init__(self, name: str, count: int, width: int, chunk_items: int, spool: Spool | None = None) -> None:
+        self.name, self.count, self.width, self.chunk_items = name, count, width, chunk_items
+        # Filled in place (never the chunks and their join at once), in memory or on disk.
+        self._buffer: bytearray | Spool = spool if spool is not None else bytearray(count * width)
+        self._chunks = 0
+        self.received = 0  # records so far
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.count
+
+    def expected_chunks(self) -> int:
+        return n_chunks(self.count, self.chunk_items)
+
+    def add(self, index: int, data: bytes) -> None:
+        if self.complete:
+            raise OutOfOrder(f"all {self.name} chunks were already received")
+        if index != self._chunks:
+            raise OutOfOrder(f"{self.name} chunk {index} arrived; expected chunk {self._chunks}")
+        expected = min(self.chunk_items, self.count - self.received) * self.width
+        if len(data) != expected:
+            raise BadMessage(f"{self.name} chunk {index} has {len(data)} bytes; expected {expected}")
+        if isinstance(self._buffer, Spool):
+            self._buffer.write(data)
+        else:
+            at = self.received * self.width
+            self._buffer[at : at + expected] = data
+        self._chunks += 1
+        self.received += expected // self.width
+
+    def value(self) -> bytearray | Spool:
+        if not self.complete:
+            raise OutOfOrder(f"{self.name}: {self.received} of {self.count} records received")
+        return self._buffer
