@@ -38,9 +38,9 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -254,23 +254,37 @@ class PsiResponder:
                 self.pool.blind, self._key, self._peer_blinded.value(), TRUNCATED_BYTES, self.cancelled,
                 into=self._spools[2])
 
+    @contextmanager
+    def _alive(self) -> Iterator[None]:
+        """A request to a session closed before or while it runs (its files are gone) is told so, as a 4xx."""
+        if self.cancelled.is_set():
+            raise UnknownSession("the PSI session was aborted")
+        try:
+            yield
+        except CancelledError as exc:
+            raise UnknownSession("the PSI session was aborted") from exc
+
     def receive_blinded(self, index: int, data: bytes) -> None:
-        with self._lock:
+        with self._alive(), self._lock:
             self._peer_blinded.add(index, data)
             PSI_IDS.labels("received").inc(len(data) // curve.POINT_BYTES)
             self._start_reblinding()
 
     def blinded_chunk(self, index: int, timeout: float) -> bytes:
-        self._check_index(index, self.own_count)
-        chunk = chunk_of(_wait(self._own_blinded, timeout, "our blinded set"), index, self.chunk_items, curve.POINT_BYTES)
+        with self._alive():
+            self._check_index(index, self.own_count)
+            chunk = chunk_of(_wait(self._own_blinded, timeout, "our blinded set"), index, self.chunk_items,
+                             curve.POINT_BYTES)
         PSI_IDS.labels("sent").inc(len(chunk) // curve.POINT_BYTES)
         return chunk
 
     def reblinded_chunk(self, index: int, timeout: float) -> bytes:
-        self._check_index(index, self.peer_count)
-        if self._peer_double is None:
-            raise OutOfOrder("the peer's blinded set is not complete yet")
-        return chunk_of(_wait(self._peer_double, timeout, "the re-blinded set"), index, self.chunk_items, TRUNCATED_BYTES)
+        with self._alive():
+            self._check_index(index, self.peer_count)
+            if self._peer_double is None:
+                raise OutOfOrder("the peer's blinded set is not complete yet")
+            return chunk_of(_wait(self._peer_double, timeout, "the re-blinded set"), index, self.chunk_items,
+                            TRUNCATED_BYTES)
 
     def finish(self, positions: np.ndarray) -> np.ndarray:
         """This party's rows at ``positions`` of the blinded set it sent, in the bank's order."""

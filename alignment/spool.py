@@ -19,6 +19,7 @@ import os
 import tempfile
 import threading
 from concurrent.futures import CancelledError
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,11 @@ class Spool:
         with self._lock:
             if self._file.closed:  # its session was closed while a worker still ran
                 raise CancelledError("the spool is closed")
-            os.pwrite(self._file.fileno(), data, self._size)
-            self._size += len(data)
+            view, at = memoryview(data), self._size
+            while view:  # a short write (a disk nearly full) is written on, or raises
+                done = os.pwrite(self._file.fileno(), view, at)
+                view, at = view[done:], at + done
+            self._size = at
 
     def __len__(self) -> int:
         """Bytes written, as ``len`` of the bytes it stands for."""
@@ -59,7 +63,10 @@ class Spool:
         with self._lock:
             if self._file.closed:  # its session was closed while a worker still ran
                 raise CancelledError("the spool is closed")
-            return os.pread(self._file.fileno(), stop - start, start)
+            data = os.pread(self._file.fileno(), stop - start, start)
+        if len(data) != stop - start:
+            raise OSError(f"the spool returned {len(data)} of {stop - start} bytes")
+        return data
 
     def close(self) -> None:
         with self._lock:
@@ -117,9 +124,17 @@ class Partitioned:
             self._bounds.append(offset + np.searchsorted(raw[order, 0], np.arange(BUCKETS + 1)))
             self._spool.write(run.tobytes())
 
-    def bucket(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Bucket ``b``: its values (fixed-width bytes) and their positions in the set."""
+    def bucket(self, b: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket ``b``: its values (fixed-width bytes) and their positions in the set.
+
+        Blinded values are uniform, so a bucket holds about 1/256 of its set; one far larger was made so (by a
+        peer sending chosen or repeated values) and is refused before it is read (``ValueError``).
+        """
         size = self._record.itemsize
+        held = sum(int(bounds[b + 1] - bounds[b]) for bounds in self._bounds)
+        if held > 2 * self.count // BUCKETS + 4096:
+            raise ValueError(f"the {what} double-blinded set is not uniform: {held:,} of its {self.count:,} values "
+                             f"share a first byte")
         parts = [self._spool[int(bounds[b]) * size : int(bounds[b + 1]) * size] for bounds in self._bounds]
         records = np.frombuffer(b"".join(parts), dtype=self._record)
         return records["value"].view(f"S{self.width}"), records["position"]
@@ -135,11 +150,12 @@ def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | 
     Buckets split by first byte and each sorted by value, so the pairs come out in the same order as the
     in-memory intersection's: by value. A value repeated within a set is refused (``ValueError`` naming the set).
     """
-    own_parts, peer_parts = Partitioned(own, width, folder), Partitioned(peer, width, folder)
-    try:
+    with ExitStack() as stack:
+        own_parts = stack.enter_context(closing(Partitioned(own, width, folder)))
+        peer_parts = stack.enter_context(closing(Partitioned(peer, width, folder)))
         own_rows, peer_rows = [], []
         for b in range(BUCKETS):
-            (own_values, own_pos), (peer_values, peer_pos) = own_parts.bucket(b), peer_parts.bucket(b)
+            (own_values, own_pos), (peer_values, peer_pos) = own_parts.bucket(b, "own"), peer_parts.bucket(b, "peer")
             for what, values in (("own", own_values), ("peer", peer_values)):
                 if len(np.unique(values)) != len(values):
                     raise ValueError(f"the {what} double-blinded set repeats a value")
@@ -147,9 +163,6 @@ def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | 
             own_rows.append(own_pos[i])
             peer_rows.append(peer_pos[j])
         return np.concatenate(own_rows).astype(np.int64), np.concatenate(peer_rows).astype(np.int64)
-    finally:
-        own_parts.close()
-        peer_parts.close()
 
 
 def n_chunks(count: int, chunk_items: int) -> int:

@@ -14,7 +14,7 @@ from alignment import curve, psi, spool
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, PsiResponder, SessionInfo, intersect, run_initiator
-from parties.errors import BadMessage, OutOfOrder
+from parties.errors import BadMessage, OutOfOrder, UnknownSession
 
 
 def run_psi(bank: list[str], partner: list[str], pool: WorkerPool, threads: ThreadPoolExecutor, chunk_items: int = 7):
@@ -178,3 +178,27 @@ def _open_spooled(peer: LocalPsiPeer, count: int, chunk_items: int, spool_dir) -
     r = PsiResponder(peer.own_points, count, peer.pool, peer.threads, chunk_items, spool_dir=spool_dir)
     peer.sessions[r.session_id] = r
     return SessionInfo(r.session_id, r.own_count, r.chunk_items, peer.id_type)
+
+
+def test_a_bucket_far_above_its_share_is_refused_before_it_is_read(monkeypatch) -> None:
+    """A partner chooses the values it returns: all sharing a first byte would put the whole set in one bucket."""
+    monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+    rng = np.random.default_rng(5)
+    skewed = b"".join(b"\x00" + rng.bytes(11) for _ in range(6000))
+    with pytest.raises(BadMessage, match="own double-blinded set is not uniform: 6,000 of its 6,000 values"):
+        intersect(skewed, rng.bytes(12 * 6000))
+    assert len(intersect(rng.bytes(12 * 6000), rng.bytes(12 * 6000))[0]) == 0  # uniform values pass
+
+
+def test_a_request_to_a_session_closed_under_it_is_told_so(pool, threads) -> None:
+    """Closed while a bank's upload or download was under way, a session answers UnknownSession (a 4xx), not a crash."""
+    points = curve.hash_to_curve([curve.normalize_id(i) for i in COMMON])
+    peer = LocalPsiPeer(points, pool, threads)
+    info = peer.open(2, 1)
+    responder = peer.sessions[info.session_id]
+    responder.blinded_chunk(0, timeout=60)
+    responder.close()
+    for call in (lambda: responder.receive_blinded(0, bytes(32)), lambda: responder.blinded_chunk(0, timeout=1),
+                 lambda: responder.reblinded_chunk(0, timeout=1)):
+        with pytest.raises(UnknownSession, match="aborted"):
+            call()
