@@ -49,7 +49,7 @@ import numpy as np
 
 from alignment import curve
 from alignment.parallel import SlicePool
-from alignment.spool import ChunkedReceiver, Permuted, Spool, chunk_of, intersect_on_disk, n_chunks
+from alignment.spool import ChunkedReceiver, Permuted, Spool, chunk_of, intersect, n_chunks
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -104,38 +104,6 @@ class PsiResult:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-
-def _unique(blob: bytes, width: int, what: str) -> np.ndarray:
-    if len(blob) % width:
-        raise BadMessage(f"the {what} is not a whole number of {width}-byte values")
-    values = np.frombuffer(blob, dtype=f"S{width}")
-    if len(np.unique(values)) != len(values):
-        raise BadMessage(f"the {what} repeats a value")
-    return values
-
-
-#: From this many values in the two sets together, they are intersected on disk (``alignment.spool``).
-ON_DISK_FROM = 1 << 21
-
-
-def intersect(own_double: bytes | bytearray | Spool, peer_double: bytes | bytearray | Spool,
-              width: int = TRUNCATED_BYTES, folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in each of two sets of double-blinded values of their common values, ordered by value; large
-    sets are intersected on disk, in ``folder`` (None: the system's temporary folder), in the same order."""
-    for what, blob in (("own", own_double), ("peer", peer_double)):
-        if len(blob) % width:
-            raise BadMessage(f"the {what} double-blinded set is not a whole number of {width}-byte values")
-    if (len(own_double) + len(peer_double)) // width >= ON_DISK_FROM:
-        try:
-            return intersect_on_disk(own_double, peer_double, width, folder)
-        except ValueError as exc:  # a repeated value
-            raise BadMessage(str(exc)) from exc
-    own = _unique(own_double[:], width, "own double-blinded set")
-    peer = _unique(peer_double[:], width, "peer double-blinded set")
-    # Fixed-width byte strings sort by their raw bytes: an order that says nothing about either file.
-    _, own_idx, peer_idx = np.intersect1d(own, peer, return_indices=True)
-    return own_idx.astype(np.int64), peer_idx.astype(np.int64)
 
 
 def fresh_order(n: int) -> np.ndarray:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from alignment import curve, psi, spool
+from alignment import curve, spool
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, PsiResponder, SessionInfo, intersect, run_initiator
@@ -89,7 +89,7 @@ def test_parallel_pool_matches_inline(threads) -> None:
 def where(request, monkeypatch) -> str:
     """Every intersection both ways: in memory, and on disk in runs of 5 values (so a set spans runs)."""
     if request.param == "on disk":
-        monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+        monkeypatch.setattr(spool, "ON_DISK_FROM", 0)
         monkeypatch.setattr(spool, "RUN_RECORDS", 5)
     return request.param
 
@@ -112,7 +112,7 @@ def test_on_disk_and_in_memory_intersections_agree_pair_for_pair(monkeypatch, tm
     peer = np.frombuffer(common + rng.bytes(12 * 300), "V12")[rng.permutation(1002)].tobytes()
     in_memory = intersect(own, peer)
     assert len(in_memory[0]) == 702
-    monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+    monkeypatch.setattr(spool, "ON_DISK_FROM", 0)
     monkeypatch.setattr(spool, "RUN_RECORDS", 97)
     on_disk = intersect(own, peer, folder=tmp_path)
     assert all(np.array_equal(a, b) for a, b in zip(in_memory, on_disk, strict=True))
@@ -182,7 +182,7 @@ def _open_spooled(peer: LocalPsiPeer, count: int, chunk_items: int, spool_dir) -
 
 def test_a_bucket_far_above_its_share_is_refused_before_it_is_read(monkeypatch) -> None:
     """A partner chooses the values it returns: all sharing a first byte would put the whole set in one bucket."""
-    monkeypatch.setattr(psi, "ON_DISK_FROM", 0)
+    monkeypatch.setattr(spool, "ON_DISK_FROM", 0)
     rng = np.random.default_rng(5)
     skewed = b"".join(b"\x00" + rng.bytes(11) for _ in range(6000))
     with pytest.raises(BadMessage, match="own double-blinded set is not uniform: 6,000 of its 6,000 values"):
