@@ -230,8 +230,8 @@ ON_DISK_FROM = 1 << 21
 def intersect(own_double: bytes | bytearray | Spool, peer_double: bytes | bytearray | Spool,
               width: int = 12, folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Positions in each of two sets of double-blinded values (``width``: psi.TRUNCATED_BYTES) of their common
-    values, ordered by value; large
-    sets are intersected on disk, in ``folder`` (None: the system's temporary folder), in the same order."""
+    values, ordered by value; large sets are intersected on disk, in ``folder`` (None: the system's temporary
+    folder), in the same order."""
     for what, blob in (("own", own_double), ("peer", peer_double)):
         if len(blob) % width:
             raise BadMessage(f"the {what} double-blinded set is not a whole number of {width}-byte values")
