@@ -15,9 +15,12 @@ Names and tags are keyed
 Contents are encrypted
     ``H(id)`` in the clear would let anyone who can read a file test an ID
     by hashing it (the DST is no secret). Each file is the hashed set sealed
-    with ChaCha20-Poly1305 under the same key (a fresh nonce, the name as
-    associated data); a file that does not open is ignored and rewritten.
-    Files are written atomically, mode 0600.
+    with ChaCha20-Poly1305 under the same key, 1 MiB at a time (a fresh
+    random nonce per file, counted up per chunk; the name, the chunk's number
+    and whether it is the last as associated data, so chunks cannot be
+    reordered, dropped or cut short): sealing or opening 10^7 IDs needs one
+    chunk of memory beside the set, not a second copy of it. A file that does
+    not open is ignored and rewritten. Files are written atomically, mode 0600.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import curve
 from alignment.parallel import SlicePool
-from parties.storage.files import atomic_write_bytes, private_dir
+from parties.storage.files import atomic_write_bytes, atomic_writer, private_dir
 
 __all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
 
@@ -95,13 +98,45 @@ def _name(subkey: bytes, ids: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
-def _seal(subkey: bytes, name: str, data: bytes) -> bytes:
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    return nonce + ChaCha20Poly1305(subkey).encrypt(nonce, data, name.encode("ascii"))
+CHUNK_BYTES = 1 << 20  # of points per sealed chunk
 
 
-def _open(subkey: bytes, name: str, blob: bytes) -> bytes:
-    return ChaCha20Poly1305(subkey).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], name.encode("ascii"))
+def _chunks(total: int) -> int:
+    return max(1, -(-total // CHUNK_BYTES))
+
+
+def _sealed_size(total: int) -> int:
+    return NONCE_BYTES + total + _chunks(total) * TAG_BYTES
+
+
+def _nonce(base: bytes, index: int) -> bytes:
+    counter = int.from_bytes(base[4:], "little") ^ index
+    return base[:4] + counter.to_bytes(8, "little")
+
+
+def _aad(name: str, index: int, last: bool) -> bytes:
+    return name.encode("ascii") + index.to_bytes(8, "little") + bytes([last])
+
+
+def _seal_to(path: Path, subkey: bytes, name: str, data: bytes | bytearray) -> None:
+    aead, base = ChaCha20Poly1305(subkey), secrets.token_bytes(NONCE_BYTES)
+    view, n = memoryview(data), _chunks(len(data))
+    with atomic_writer(path) as f:
+        f.write(base)
+        for i in range(n):
+            f.write(aead.encrypt(_nonce(base, i), view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], _aad(name, i, i == n - 1)))
+
+
+def _open_from(path: Path, subkey: bytes, name: str, total: int) -> bytearray:
+    """The points sealed in ``path`` (``InvalidTag`` if any chunk does not open as the one expected there)."""
+    aead, out, n = ChaCha20Poly1305(subkey), bytearray(total), _chunks(total)
+    with path.open("rb") as f:
+        base = f.read(NONCE_BYTES)
+        for i in range(n):
+            start = i * CHUNK_BYTES
+            size = min(CHUNK_BYTES, total - start)
+            out[start : start + size] = aead.decrypt(_nonce(base, i), f.read(size + TAG_BYTES), _aad(name, i, i == n - 1))
+    return out
 
 
 def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) -> Path:
@@ -125,13 +160,12 @@ def hashed_points(
     subkey = _subkey(key if key is not None else cache_key(cache_dir), dst)
     name = _name(subkey, ids)
     path = Path(cache_dir) / f"{name}.u25519"
-    expected = NONCE_BYTES + len(ids) * curve.POINT_BYTES + TAG_BYTES
+    total = len(ids) * curve.POINT_BYTES
     try:
-        blob = path.read_bytes()
-        if len(blob) != expected:
-            logger.warning("ignoring a cached hashed set of the wrong size")
+        if path.stat().st_size != _sealed_size(total):
+            logger.warning("ignoring a cached hashed set of another size or format; hashing again")
         else:
-            data = _open(subkey, name, blob)
+            data = _open_from(path, subkey, name, total)
             logger.info("hashed ID set read from the cache")
             return data
     except FileNotFoundError:
@@ -139,5 +173,5 @@ def hashed_points(
     except InvalidTag:
         logger.warning("ignoring a cached hashed set that does not open with this party's key")
     data = pool.hash_to_curve(ids, dst)
-    atomic_write_bytes(path, _seal(subkey, name, data))
+    _seal_to(path, subkey, name, data)
     return data

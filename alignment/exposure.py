@@ -21,7 +21,6 @@ Customers are kept as 16-byte digests of their canonical IDs, per partner, in ``
 from __future__ import annotations
 
 import hashlib
-import io
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from parties.errors import AlignmentError, DataError
-from parties.storage.files import atomic_write_bytes
+from parties.storage.files import atomic_writer
 
 __all__ = ["CHANCE", "Exposure", "OverlapTooHigh", "customer_keys"]
 
@@ -95,7 +94,7 @@ class Exposure:
                         "partner that claims IDs it does not hold learns which of them are the bank's customers once "
                         "the bank commits; nothing was committed. If the partnership agreement says this partner "
                         "holds that many, say so: --expect-overlap SHARE (allows SHARE + 0.05) or --max-overlap SHARE")
-            self._save(partner, sent_all.astype(_KEY), matched_all.astype(_KEY))
+            self._save(partner, sent_all.astype(_KEY, copy=False), matched_all.astype(_KEY, copy=False))
             return len(sent_all), len(matched_all)
 
     def verify_against(self, records: list[dict[str, object]]) -> None:
@@ -116,9 +115,8 @@ class Exposure:
 
     def _save(self, partner: str, sent: np.ndarray, matched: np.ndarray) -> None:
         if self.folder is not None:
-            buffer = io.BytesIO()
-            np.savez(buffer, sent=sent, matched=matched)
-            atomic_write_bytes(self._path(partner), buffer.getvalue())
+            with atomic_writer(self._path(partner)) as f:  # written as it is made: never a copy in memory
+                np.savez(f, sent=sent, matched=matched)
         self._cache[partner] = (sent, matched)
 
     def _load(self, partner: str) -> tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,8 @@ __all__ = [
 
 def serve(args: argparse.Namespace) -> int:
     from bank.settings import BankSettings
-    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.memory import use_system_allocator
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
     settings = service_settings(args, BankSettings)

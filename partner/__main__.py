@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m partner") -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.memory import use_system_allocator
     from partner.settings import PartnerSettings
 
     # Settings and the table are checked before torch and FastAPI are imported (seconds): a refusal is quick.
@@ -58,7 +59,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_layers(args: argparse.Namespace) -> int:
-    from parties.cli import pin_cpus, service_settings, set_torch_threads, use_system_allocator
+    from parties.cli import pin_cpus, service_settings, set_torch_threads
+    from parties.memory import use_system_allocator
     from partner.settings import BranchSettings, ComputeSettings
 
     settings = service_settings(args, ComputeSettings if args.command == "compute" else BranchSettings)

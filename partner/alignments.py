@@ -29,11 +29,12 @@ from alignment.psi import (
     partnership_dst,
 )
 from parties.errors import BadMessage, IntersectionTooSmall, UnknownSession
+from parties.memory import release
 from parties.protocol.control import AlignmentInfo
 from parties.protocol.psi import PsiOpenRequest, PsiOpenResponse
-from partner.settings import PartnerSettings
 from parties.tables.table import AlignedRows, PartyTable, save_alignment
 from partner.banks import Banks
+from partner.settings import PartnerSettings
 
 __all__ = ["MAX_SCORING_ALIGNMENTS", "PsiDesk"]
 
@@ -148,6 +149,7 @@ class PsiDesk:
         head = self.partnership.record("committed", bank, session=session_id, received=responder.received,
                                        result=len(rows), purpose=purpose, alignment=alignment_id, peer_head=peer_head)
         logger.info("alignment %s of %s committed for %s: %d rows", alignment_id, bank, purpose, len(rows))
+        release()  # the session's sets and buffers
         return AlignmentInfo(alignment_id=alignment_id, rows=len(rows), log_head=head)
 
     def expire(self) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import cache, curve
 from alignment.parallel import WorkerPool
@@ -100,3 +101,32 @@ def test_the_file_holds_no_hashed_id_in_the_clear(tmp_path: Path, pool: Counting
 def test_without_a_cache_dir_nothing_is_written(tmp_path: Path, pool: CountingPool) -> None:
     assert cache.hashed_points(IDS, pool, None) == curve.hash_to_curve(IDS)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tamper", ["swap two chunks", "cut short", "sealed whole (the format before chunks)"])
+def test_a_file_is_sealed_chunk_by_chunk_and_opens_only_whole_and_in_order(
+    tmp_path: Path, pool: CountingPool, monkeypatch: pytest.MonkeyPatch, tamper: str,
+) -> None:
+    """40 IDs in chunks of 3 points: each chunk opens only at its place, and the last only as the last."""
+    monkeypatch.setattr(cache, "CHUNK_BYTES", 3 * curve.POINT_BYTES)
+    honest = cache.hashed_points(IDS, pool, tmp_path, DST)
+    assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest and pool.calls == 1
+    path = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path))
+    blob = path.read_bytes()
+    sealed = 3 * curve.POINT_BYTES + cache.TAG_BYTES
+    assert len(blob) == cache.NONCE_BYTES + len(honest) + 14 * cache.TAG_BYTES  # ceil(40 / 3) chunks
+    head, body = blob[: cache.NONCE_BYTES], blob[cache.NONCE_BYTES :]
+    chunks = [body[k : k + sealed] for k in range(0, len(body), sealed)]
+    if tamper == "swap two chunks":
+        chunks[1], chunks[2] = chunks[2], chunks[1]
+        forged = head + b"".join(chunks)
+    elif tamper == "cut short":  # even where its size is taken as right, the chunks it has do not open as a whole
+        forged = head + b"".join(chunks[:-1])
+        monkeypatch.setattr(cache, "_sealed_size", lambda total: len(forged))
+    else:
+        subkey = cache._subkey(cache.cache_key(tmp_path), DST)
+        forged = head + ChaCha20Poly1305(subkey).encrypt(head, bytes(honest), path.stem.encode("ascii"))
+    path.write_bytes(forged)
+    assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest
+    assert pool.calls == 2  # hashed again, not read
+    monkeypatch.undo()

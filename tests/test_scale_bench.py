@@ -47,6 +47,13 @@ def test_a_small_scale_bench_reports_every_stage(tmp_path: Path) -> None:
     ids = {p: set(pd.read_csv(tmp_path / "bench" / "data" / f"{p}.csv", dtype=str)["customer_id"]) for p in parties}
     assert figures["aligned_rows"] == len(set.intersection(*ids.values())) > 0
     assert sorted(figures["peak_rss_mb"]) == sorted(parties) and all(v > 50 for v in figures["peak_rss_mb"].values())
+    # Per stage, each service's peak then (the kernel's mark reset between stages); the run's is the highest.
+    stages = figures["stage_peak_rss_mb"]
+    assert list(stages) == ["start-up", "alignment", "alignments, hashes cached", "training"]
+    for party in parties:
+        assert figures["peak_rss_mb"][party] == max(stages[s][party] for s in stages) > 50
+    bank_line = next(line for line in run.stdout.splitlines() if "peak memory, bank" in line)
+    assert all(f", {stage} " in bank_line for stage in stages)
     assert figures["ray_address"] is None and figures["alignment_ids_per_core_second"] > 0
     for stage in ("peak memory, partner1", "IDs per CPU-second, PSI on each service's worker processes",
                   "data generation", "start-up, partner2", "one partner after another", "all partners at once",

@@ -145,7 +145,7 @@ def align_with_partners(
         raise ConfigError("no partners configured: start the bank with --partner NAME=URL")
     book = partnership or Partnership(PsiLimits(), len(table))
     told = exposure or Exposure()
-    keys = customer_keys(table.normalized_ids)
+    keys: list[np.ndarray] = []  # the ledger's names of the bank's customers, made once the first session needs them
     board = _Board(list(partners), say)
     cancel = threading.Event()
     opened: dict[str, tuple[str, PsiResult]] = {}  # sessions to abort if anything fails before their commit
@@ -163,12 +163,15 @@ def align_with_partners(
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
                                                id_type=table.id_type, admit=logged[name].admit, spool_dir=cache_dir)
+            del points  # 32 bytes a customer, no longer needed: before the steps below allocate theirs
             with lock:
                 opened[name] = (session_id, result)
+                if not keys:
+                    keys.append(customer_keys(table.normalized_ids))
             report(f"{len(result):,} common customers")  # logged by the reporter
             check_minimum(len(result), min_intersection, f"partner {name!r}")
             ceiling = max_overlap if isinstance(max_overlap, float) else max_overlap[name]
-            totals[name] = told.claim(name, keys, keys[result.rows], ceiling)
+            totals[name] = told.claim(name, keys[0], keys[0][result.rows], ceiling)
             return session_id, result
         except BaseException as exc:
             cancel.set()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "open_private_log", "private_dir"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "open_private_log", "private_dir"]
 
 
 def private_dir(path: Path) -> Path:
@@ -37,20 +39,28 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file (0600), fsync and rename."""
+@contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A file to write ``path``'s content to, piece by piece: a temporary file (0600), fsynced and renamed onto
+    ``path`` when the block ends without an error, removed otherwise. Nothing need hold the whole content."""
     path = Path(path)
     private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp makes it 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file (0600), fsync and rename."""
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

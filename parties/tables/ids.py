@@ -45,11 +45,12 @@ FORMATS = ("plain integer", "zero-padded integer", "integer with a sign", "integ
 
 
 class IdColumn(Sequence[bytes]):
-    """A party's canonical IDs in row order, held as one Arrow binary column.
+    """A party's canonical IDs in row order, held as an Arrow binary column (in chunks, as the file was read).
 
     A few bytes per ID rather than a Python object each (about 50 bytes more): at 10^7 customers the
-    difference is half a gigabyte. Reads as a sequence of ``bytes``; a slice is a list of just its IDs
-    (what a PSI worker is sent), and iterating makes Python objects a block at a time.
+    difference is half a gigabyte. Text is viewed as binary without a copy, so IDs already written in
+    canonical form share the table's own buffers. Reads as a sequence of ``bytes``; a slice is a list of
+    just its IDs (what a PSI worker is sent), and iterating makes Python objects a block at a time.
     """
 
     BLOCK = 1 << 16
@@ -57,9 +58,12 @@ class IdColumn(Sequence[bytes]):
     def __init__(self, values: pa.Array | pa.ChunkedArray) -> None:
         import pyarrow as pa
 
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        self._values = values.cast(pa.large_binary())
+        if not isinstance(values, pa.ChunkedArray):
+            values = pa.chunked_array([values], values.type)
+        if pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type):
+            self._values = values.cast(pa.large_binary())  # string to binary: the same buffers
+        else:
+            self._values = values.cast(pa.binary())
 
     @classmethod
     def of(cls, ids: Iterable[bytes]) -> IdColumn:
@@ -68,8 +72,8 @@ class IdColumn(Sequence[bytes]):
         return ids if isinstance(ids, IdColumn) else cls(pa.array(list(ids), pa.large_binary()))
 
     @property
-    def arrow(self) -> pa.Array:
-        """The column itself (``large_binary``), for vectorised work."""
+    def arrow(self) -> pa.ChunkedArray:
+        """The column itself (``binary`` or ``large_binary``, chunked), for vectorised work."""
         return self._values
 
     def __len__(self) -> int:
@@ -102,7 +106,12 @@ class IdColumn(Sequence[bytes]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, IdColumn):
-            return self._values.equals(other._values)
+            import pyarrow as pa
+
+            mine, theirs = self._values, other._values
+            if mine.type != theirs.type:
+                mine, theirs = mine.cast(pa.large_binary()), theirs.cast(pa.large_binary())
+            return mine.equals(theirs)
         if isinstance(other, (list, tuple)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
@@ -113,11 +122,20 @@ class IdColumn(Sequence[bytes]):
         return f"IdColumn({len(self)} IDs)"
 
 
-def _arrow_text(values: pd.Series) -> pa.Array:
+def _arrow_text(values: pd.Series) -> pa.ChunkedArray:
+    """A text column's Arrow data, without a copy where the column is Arrow-backed."""
     import pyarrow as pa
 
     array = pa.array(values, from_pandas=True)
-    return array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    return array if isinstance(array, pa.ChunkedArray) else pa.chunked_array([array], array.type)
+
+
+def _same_or(written: pa.ChunkedArray, canonical: pa.ChunkedArray) -> IdColumn:
+    """``canonical``, or the IDs as ``written`` (sharing the table's buffers) when every one is already canonical."""
+    import pyarrow.compute as pc
+
+    same = len(written) == 0 or bool(pc.all(pc.equal(written, canonical)).as_py())
+    return IdColumn(written if same else canonical)
 
 
 def normalize_id(raw: object) -> bytes:
@@ -196,10 +214,10 @@ def canonical_ids(raw: pd.Series, id_type: IdType) -> IdColumn:
     if id_type == "text":
         import pyarrow.compute as pc
 
-        return IdColumn(pc.utf8_normalize(_arrow_text(stripped), "NFC"))
+        return _same_or(_arrow_text(raw), pc.utf8_normalize(_arrow_text(stripped), "NFC"))
     plain = stripped.str.fullmatch(_PLAIN.pattern).to_numpy(dtype=bool)
     if plain.all():  # nearly every clean column: nothing to parse
-        return IdColumn(_arrow_text(stripped))
+        return _same_or(_arrow_text(raw), _arrow_text(stripped))
     out = stripped.tolist()
     bad: list[int] = []
     fractions = 0

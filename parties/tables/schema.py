@@ -101,17 +101,28 @@ def parse_numbers(text: pd.Series) -> pd.Series:
     """A column of text as float64, NaN where a value is empty or not a number (as ``pd.to_numeric`` reads it).
 
     Fast where it can be: a column of plain numbers is cast by Arrow (correctly rounded, as pandas parses them,
-    in a tenth of the time); any other column is parsed one distinct value at a time, and a column of
-    categories has few.
+    in a tenth of the time); any other column (its first values tell) is parsed one distinct value at a time,
+    and a column of categories has few. Neither keeps a copy of the column's text.
     """
+    values = pa.array(text, from_pandas=True)  # no copy of an Arrow-backed column
     try:
-        values = pc.utf8_trim_whitespace(pa.array(text, from_pandas=True))  # no copy of an Arrow-backed column
-        values = pc.if_else(pc.equal(values, ""), pa.scalar(None, values.type), values)
-        return pd.Series(pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False), index=text.index)
+        _cast_numbers(values.slice(0, 1024))
+        return pd.Series(_cast_numbers(values), index=text.index)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        codes, uniques = pd.factorize(text.str.strip())
-        parsed = pd.to_numeric(pd.Series(uniques, dtype=object), errors="coerce").to_numpy(dtype=np.float64)
-        return pd.Series(np.append(parsed, np.nan)[codes], index=text.index)
+        uniques = pc.unique(values)
+        stripped = [None if u is None else str(u).strip() for u in uniques.to_pylist()]
+        parsed = pd.to_numeric(pd.Series(stripped, dtype=object), errors="coerce").to_numpy(dtype=np.float64)
+        where = pc.index_in(values, value_set=uniques).to_numpy(zero_copy_only=False)  # float: NaN where null
+        out = np.full(len(where), np.nan)
+        known = ~np.isnan(where)
+        out[known] = parsed[where[known].astype(np.int64)]
+        return pd.Series(out, index=text.index)
+
+
+def _cast_numbers(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    trimmed = pc.utf8_trim_whitespace(values)
+    trimmed = pc.if_else(pc.equal(trimmed, ""), pa.scalar(None, trimmed.type), trimmed)
+    return pc.cast(trimmed, pa.float64()).to_numpy(zero_copy_only=False)
 
 
 def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Sequence[str] = (),
@@ -135,8 +146,7 @@ def infer_kinds(frame: pd.DataFrame, columns: Sequence[str], *, categorical: Seq
         elif col in numeric:
             kinds[col] = "numeric"
         else:
-            text = frame[col].astype(str).str.strip()
-            present = (text != "").to_numpy()  # a missing value says nothing about the column's kind
-            parsed = numbers(col) if numbers is not None else parse_numbers(text)
+            present = (frame[col].astype(str).str.strip() != "").to_numpy()  # a missing value says nothing
+            parsed = numbers(col) if numbers is not None else parse_numbers(frame[col])
             kinds[col] = "numeric" if present.any() and parsed[present].notna().all() else "categorical"
     return (tuple(c for c in columns if kinds[c] == "numeric"), tuple(c for c in columns if kinds[c] == "categorical"))

@@ -19,6 +19,7 @@ from safetensors.numpy import save as save_tensors
 
 from parties.errors import DataError
 from parties.learning.config import TaskKind
+from parties.memory import release
 from parties.storage.files import atomic_write_bytes
 from parties.tables.ids import IdColumn, IdError, IdType, canonical_ids, id_formats, infer_id_type
 from parties.tables.labels import check_labels, label_text
@@ -158,7 +159,16 @@ def load_party_table(
     empty numeric cell is kept as missing (the encoder imputes the training
     mean, and counts it); ``False`` refuses it.
     """
-    path = Path(path)
+    try:
+        return _load(Path(path), id_column, label_column, schema_path, labelled, categorical, numeric, schema,
+                     missing_numbers, id_type, task)
+    finally:
+        release()  # the file's text and every step's temporaries: several times the table at 10^6 rows
+
+
+def _load(path: Path, id_column: str | None, label_column: str | None, schema_path: Path | None, labelled: bool,
+          categorical: Sequence[str], numeric: Sequence[str], schema: FeatureSchema | None, missing_numbers: bool,
+          id_type: IdType | None, task: TaskKind | None) -> PartyTable:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     sidecar_file = Path(schema_path) if schema_path is not None else sidecar_path(path)
@@ -229,8 +239,10 @@ def load_party_table(
     features = frame[list(schema.columns)].copy()
     for col in schema.numeric:
         values = numbers(col)
-        empty = (features[col].str.strip() == "").to_numpy()
-        kinds = {"empty": empty & ~missing_numbers, "text": values.isna().to_numpy() & ~empty,
+        missing = values.isna().to_numpy()
+        empty = np.zeros(len(missing), dtype=bool)  # only a value that is no number can be empty
+        empty[missing] = (features[col][missing].str.strip() == "").to_numpy()
+        kinds = {"empty": empty & ~missing_numbers, "text": missing & ~empty,
                  "infinite": np.isinf(values.to_numpy(dtype=np.float64, na_value=np.nan))}
         bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
         if bad:
@@ -246,7 +258,7 @@ def load_party_table(
         if missing:
             logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
                         path.name, col, missing)
-    return PartyTable(
+    table = PartyTable(
         path=path,
         id_column=id_column,
         ids=raw_ids.reset_index(drop=True),
@@ -258,6 +270,7 @@ def load_party_table(
         task=task if labels is not None else None,
         id_formats=formats,
     )
+    return table
 
 
 def _check_unique(path: Path, column: str, id_type: IdType, normalized: IdColumn) -> None:

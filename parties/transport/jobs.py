@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from parties.errors import CutlayerError, OutOfOrder, UnknownSession
+from parties.memory import release
 from parties.protocol.control import JobStatus
 
 __all__ = ["Job", "JobRunner", "Progress"]
@@ -86,6 +87,7 @@ class JobRunner:
                 job.error, job.state = f"unexpected {type(exc).__name__}; see the service log", "failed"
                 logger.exception("%s job %s crashed", kind, job.job_id)
             finally:
+                release()  # what the job's thread allocated and freed, handed back before the next job
                 job.done.set()
 
         threading.Thread(target=run, name=f"{kind}-{job.job_id[:8]}", daemon=True).start()

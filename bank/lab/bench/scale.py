@@ -17,13 +17,16 @@ pinned, each service runs as many PSI workers as there are CPUs. With ``ray``
 (an address, or ``auto``) every service runs its PSI on that Ray cluster instead
 (``--ray-address``), as a party past one machine would on its own.
 
-Per party the bench also reports its service process's peak resident memory
-(the kernel's high-water mark, ``VmHWM``, read before it stops): the table, the
-ID index and the PSI sets live there; PSI workers are processes of their own.
+Per party and stage the bench also reports its service process's peak resident
+memory (the kernel's high-water mark, ``VmHWM``, read at the end of the stage and
+reset for the next one where Linux lets it): start-up (its table loaded),
+alignment, training. The table, the ID index and the PSI sets live in that
+process; PSI workers are processes of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,7 +72,8 @@ class ScaleBench:
     sequential_seconds: float | None = None  # cached hashes, one partner after another
     concurrent_seconds: float | None = None  # cached hashes, every partner at once
     ray_address: str | None = None  # PSI on this Ray cluster; None: worker processes of each service
-    peak_rss_mb: dict[str, float] | None = None  # each service process's high-water mark
+    peak_rss_mb: dict[str, float] | None = None  # each service process's high-water mark over the run
+    stage_peak_rss_mb: dict[str, dict[str, float]] | None = None  # stage -> service -> its high-water mark then
 
     @property
     def alignment_ids_per_core_second(self) -> float:
@@ -178,17 +182,21 @@ class _Services:
     def log(self, name: str) -> Path:
         return self.processes[name].log_file
 
-    def peak_rss_mb(self) -> dict[str, float]:
-        """Each service process's peak resident memory so far (Linux; empty elsewhere)."""
+    def peak_rss_mb(self, reset: bool = False) -> dict[str, float]:
+        """Each service process's peak resident memory since it started or was last ``reset`` (Linux; empty elsewhere)."""
         peaks = {}
         for name, process in self.processes.items():
+            proc = Path(f"/proc/{process.proc.pid}")
             try:
-                status = Path(f"/proc/{process.proc.pid}/status").read_text()
+                status = (proc / "status").read_text()
             except OSError:
                 continue
             found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
             if found:
                 peaks[name] = round(int(found.group(1)) / 1024, 1)
+            if reset:
+                with contextlib.suppress(OSError):  # the kernel's peak back to the current size (Linux >= 4.0)
+                    (proc / "clear_refs").write_text("5")
         return peaks
 
     def close(self) -> None:
@@ -213,9 +221,19 @@ def run_scale_bench(
         data_seconds = time.perf_counter() - started
         progress(f"data: {customers:,} customers, {partners} partners in {data_seconds:.1f} s")
         services = _Services(folder, paths, progress, ray)
+        overall: dict[str, float] = {}
+        stages: dict[str, dict[str, float]] = {}
+
+        def stage_peaks(stage: str) -> None:
+            stages[stage] = services.peak_rss_mb(reset=True)
+            for name, mb in stages[stage].items():
+                overall[name] = max(overall.get(name, 0.0), mb)
+
         try:
+            stage_peaks("start-up")
             first, aligned = services.align("concurrent")
             progress(f"alignment (hashing every ID): {first:.1f} s, {aligned['rows']:,} rows in common")
+            stage_peaks("alignment")
             seq = conc = None
             if sequential:
                 seq, _ = services.align("sequential")
@@ -224,6 +242,7 @@ def run_scale_bench(
                 progress(f"alignment, hashes cached, all partners at once: {conc:.1f} s")
                 if again["rows"] != aligned["rows"]:
                     raise ConfigError("the alignments disagree: the bench's figures would mean nothing")
+                stage_peaks("alignments, hashes cached")
             started = time.perf_counter()
             config = TrainingConfig(epochs=epochs, patience=epochs + 1)
             result = services.operator.wait(services.operator.start_training(config))
@@ -234,7 +253,7 @@ def run_scale_bench(
             if missing:
                 raise ConfigError(f"no training-session setup time in the logs of {missing}")
             progress(f"training: {len(history)} epochs in {train_job:.1f} s")
-            peaks = services.peak_rss_mb()
+            stage_peaks("training")
         finally:
             services.close()
         rows = {name: int(sum(1 for _ in p.open()) - 1) for name, p in paths.items()}
@@ -246,7 +265,8 @@ def run_scale_bench(
         setup_seconds={n: round(float(s), 3) for n, s in setup.items() if s is not None},
         epoch_seconds=[round(float(s), 3) for s in history["seconds"]], train_job_seconds=round(train_job, 2),
         sequential_seconds=round(seq, 2) if seq is not None else None,
-        concurrent_seconds=round(conc, 2) if conc is not None else None, ray_address=ray, peak_rss_mb=peaks,
+        concurrent_seconds=round(conc, 2) if conc is not None else None, ray_address=ray, peak_rss_mb=overall,
+        stage_peak_rss_mb=stages,
     )
 
 
@@ -273,6 +293,7 @@ def format_scale_bench(b: ScaleBench) -> str:
         *(f"  epoch {i + 1:<21} {s:8.3f} s   training steps and validation" for i, s in enumerate(b.epoch_seconds)),
         f"  training job                {b.train_job_seconds:8.2f} s   start to model written",
         *(f"  peak memory, {n:<14} {mb:8.1f} MB  the service process's high-water mark"
+          + ("".join(f", {stage} {peaks[n]:,.0f}" for stage, peaks in (b.stage_peak_rss_mb or {}).items() if n in peaks))
           for n, mb in (b.peak_rss_mb or {}).items()),
     ]
     return "\n".join(lines)
