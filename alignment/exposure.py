@@ -50,40 +50,86 @@ def _beyond(matched: int, sent: int, ceiling: float) -> bool:
     return bool(binom.sf(matched - 1, sent, ceiling) < CHANCE)
 
 
-def customer_keys(normalized_ids: Sequence[bytes]) -> np.ndarray:
-    """A 16-byte digest of each canonical ID, row by row: how the ledger names customers."""
-    return np.fromiter((hashlib.sha256(i).digest()[:16] for i in normalized_ids), dtype=_KEY, count=len(normalized_ids))
+def customer_keys(normalized_ids: Sequence[bytes], rows: Sequence[int] | None = None) -> np.ndarray:
+    """A 16-byte digest of each canonical ID (of ``rows`` only, in that order, if given): how the ledger names
+    customers."""
+    ids = normalized_ids if rows is None else (normalized_ids[int(r)] for r in rows)
+    count = len(normalized_ids) if rows is None else len(rows)
+    return np.fromiter((hashlib.sha256(i).digest()[:16] for i in ids), dtype=_KEY, count=count)
+
+
+def _sorted_unique(keys: np.ndarray) -> np.ndarray:
+    """``keys`` sorted in place, each once (a copy only if some repeat)."""
+    out = keys
+    out.sort()
+    if len(out) > 1:
+        keep = np.empty(len(out), dtype=bool)
+        keep[0] = True
+        np.not_equal(out[1:], out[:-1], out=keep[1:])
+        if not keep.all():
+            out = out[keep]
+    return out
+
+
+def _in_sorted(values: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in ``ref`` (sorted), by binary search: no sorted copy of either."""
+    if not len(ref) or not len(values):
+        return np.zeros(len(values), dtype=bool)
+    at = np.searchsorted(ref, values)
+    np.minimum(at, len(ref) - 1, out=at)
+    return ref[at] == values
+
+
+def _not_in(values: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """``values`` without those in ``ref`` (sorted); ``values`` itself when ``ref`` is empty."""
+    return values[~_in_sorted(values, ref)] if len(ref) else values
+
+
+def _merged(ref: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The sorted union of ``ref`` (sorted) and ``new``, which holds none of it."""
+    out = np.concatenate([ref, new]) if len(ref) else new
+    out.sort()
+    return out
 
 
 class Exposure:
     """Per partner: the bank's customers ever sent to it in PSI, and those of them it matched. Thread-safe.
 
-    ``folder`` ``None``: kept in memory only (the lab, and tests that play every party in one process)."""
+    Each ledger is read from disk when a session is judged and dropped after (at 10^7 customers it is 16 bytes a
+    customer); ``folder`` ``None``: kept in memory only (the lab, and tests that play every party in one process)."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = folder
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._memory: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._totals: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def totals(self, partner: str) -> tuple[int, int]:
         """(customers sent to ``partner``, of which it matched) over the partnership so far."""
-        sent, matched = self._load(partner)
-        return len(sent), len(matched)
+        with self._lock:
+            if partner not in self._totals:
+                sent, matched = self._load(partner)
+                self._totals[partner] = (len(sent), len(matched))
+            return self._totals[partner]
 
     def claim(self, partner: str, sent: np.ndarray, matched: np.ndarray, ceiling: float) -> tuple[int, int]:
         """Count a session sending ``sent`` customers of which ``partner`` matched ``matched`` (both from
-        ``customer_keys``), or refuse it (``OverlapTooHigh``) if the session alone, or the partnership with it,
-        has the partner matching more than ``ceiling`` beyond chance. Returns the totals after it.
+        ``customer_keys``, and both sorted in place: no copy of either), or refuse it (``OverlapTooHigh``) if the
+        session alone, or the partnership with it, has the partner matching more than ``ceiling`` beyond chance.
+        Returns the totals after it.
 
         Counted before anything is committed, under one lock with the check: a session that fails later is
         over-counted (the safe side), and no two sessions are judged on totals that miss each other."""
         with self._lock:
             before_sent, before_matched = self._load(partner)
-            sent_all, matched_all = np.union1d(before_sent, sent), np.union1d(before_matched, matched)
+            matched_new = _not_in(_sorted_unique(matched), before_matched)
+            sent = _sorted_unique(sent)
             # The session alone, on what it tells anew: customers the partner had not matched before (scoring ones
             # it was aligned with tells it nothing new, and is never refused for it).
-            fresh = (len(np.setdiff1d(matched, before_matched)), len(np.setdiff1d(sent, before_matched)))
-            over_all = (len(matched_all), len(sent_all), "over the partnership")
+            fresh = (len(matched_new), len(sent) - int(_in_sorted(sent, before_matched).sum()))
+            sent_new = _not_in(sent, before_sent)
+            del sent
+            over_all = (len(before_matched) + len(matched_new), len(before_sent) + len(sent_new), "over the partnership")
             for n_matched, n_sent, what in ((*fresh, "in this session that it had not matched before"), over_all):
                 if _beyond(n_matched, n_sent, ceiling):
                     earlier = (f" ({len(before_matched):,} of {len(before_sent):,} in earlier sessions)"
@@ -94,8 +140,9 @@ class Exposure:
                         "partner that claims IDs it does not hold learns which of them are the bank's customers once "
                         "the bank commits; nothing was committed. If the partnership agreement says this partner "
                         "holds that many, say so: --expect-overlap SHARE (allows SHARE + 0.05) or --max-overlap SHARE")
-            self._save(partner, sent_all.astype(_KEY, copy=False), matched_all.astype(_KEY, copy=False))
-            return len(sent_all), len(matched_all)
+            self._save(partner, _merged(before_sent, sent_new), _merged(before_matched, matched_new))
+            self._totals[partner] = over_all[1], over_all[0]
+            return self._totals[partner]
 
     def verify_against(self, records: list[dict[str, object]]) -> None:
         """Refuse (``DataError``) a ledger holding less than the session log's committed records say it held
@@ -114,25 +161,26 @@ class Exposure:
                     "be told")
 
     def _save(self, partner: str, sent: np.ndarray, matched: np.ndarray) -> None:
-        if self.folder is not None:
-            with atomic_writer(self._path(partner)) as f:  # written as it is made: never a copy in memory
-                np.savez(f, sent=sent, matched=matched)
-        self._cache[partner] = (sent, matched)
+        if self.folder is None:
+            self._memory[partner] = (sent, matched)
+            return
+        with atomic_writer(self._path(partner)) as f:  # written as it is made: never a copy in memory
+            np.savez(f, sent=sent, matched=matched)
 
     def _load(self, partner: str) -> tuple[np.ndarray, np.ndarray]:
-        if partner not in self._cache:
-            empty = np.array([], dtype=_KEY)
-            path = self._path(partner) if self.folder is not None else None
-            if path is None or not path.exists():
-                self._cache[partner] = (empty, empty)
-            else:
-                try:
-                    with np.load(path, allow_pickle=False) as saved:
-                        self._cache[partner] = (saved["sent"].astype(_KEY), saved["matched"].astype(_KEY))
-                except (OSError, ValueError, KeyError) as exc:
-                    raise DataError(f"{path}: not readable ({exc}); it records what partner {partner!r} was "
-                                    "told of the bank's customers: restore it from a backup") from exc
-        return self._cache[partner]
+        """The ledger's (sent, matched), each sorted and without repeats."""
+        empty = np.array([], dtype=_KEY)
+        if self.folder is None:
+            return self._memory.get(partner, (empty, empty))
+        path = self._path(partner)
+        if not path.exists():
+            return empty, empty
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                return saved["sent"].astype(_KEY, copy=False), saved["matched"].astype(_KEY, copy=False)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DataError(f"{path}: not readable ({exc}); it records what partner {partner!r} was "
+                            "told of the bank's customers: restore it from a backup") from exc
 
     def _path(self, partner: str) -> Path:
         assert self.folder is not None

@@ -172,6 +172,26 @@ def test_over_the_partnership_a_partner_learns_at_most_the_ceiling_less_its_shar
     assert learned_beyond <= (ceiling - held.mean()) * sent + chance
 
 
+def test_a_ledger_on_disk_counts_sessions_as_sets_whatever_their_order(tmp_path) -> None:
+    """Claims sort what they are given in place and keep nothing in memory: a later claim, or another service's
+    ledger reading the same folder, counts each customer once, as set arithmetic says."""
+    names = [f"c{i}".encode() for i in range(3000)]
+    rng = np.random.default_rng(5)
+    sessions = [np.sort(rng.choice(3000, size=n, replace=False)) for n in (1200, 900, 1500)]
+    told = Exposure(tmp_path / "exposure")
+    sent_all: set[int] = set()
+    matched_all: set[int] = set()
+    for k, sent in enumerate(sessions):
+        matched = sent[rng.permutation(len(sent))[: len(sent) // 2]]  # row order, as a PSI result gives them
+        keys = customer_keys(names, rng.permutation(sent))
+        totals = told.claim("partner", keys, customer_keys(names, matched), 0.95)
+        assert np.all(keys[:-1] < keys[1:])  # sorted in place
+        sent_all |= set(sent.tolist())
+        matched_all |= set(matched.tolist())
+        assert totals == (len(sent_all), len(matched_all)) == Exposure(tmp_path / "exposure").totals("partner"), k
+    assert told._memory == {}
+
+
 def test_a_ledger_deleted_or_rolled_back_stops_the_bank(tmp_path) -> None:
     """Deleting the ledger (or restoring an older one) would let a partner be told again what it was told."""
     told = Exposure(tmp_path / "exposure")

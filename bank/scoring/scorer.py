@@ -70,7 +70,7 @@ class _Customers:
 
     def __init__(self, table: PartyTable, names: list[str]) -> None:
         self.table, self.names, self.n = table, names, len(table)
-        self.keys = customer_keys(table.normalized_ids)  # how the exposure ledger names them
+        self.keys = customer_keys(table.normalized_ids)  # how the exposure ledger names them (sorted by a claim)
         self.embeddings: dict[str, torch.Tensor] = {}
         self.held: dict[str, np.ndarray] = {}
         self.why: dict[str, str] = {}  # per partner, what a customer it lacks is told
@@ -95,7 +95,8 @@ class _Customers:
             raise
         scoring_id = uuid.uuid4().hex
         try:
-            told_sent, told_matched = told.claim(name, self.keys, self.keys[result.rows], max_overlap)
+            matched = customer_keys(self.table.normalized_ids, result.rows)
+            told_sent, told_matched = told.claim(name, self.keys, matched, max_overlap)
             committed = partner.commit(session_id, scoring_id, result.peer_positions, purpose="scoring",
                                        log_head=logged.head)
         except (IntersectionTooSmall, OverlapTooHigh) as exc:  # a policy of either side: none is scored with it

@@ -251,6 +251,8 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
             raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
                             f"{problems}")
         features[col] = values.astype("float64")
+    for col in schema.categorical:
+        features[col] = _compact(features[col])
     logger.info("loaded %s: %d rows, %d feature columns, %s IDs (%s)", path.name, len(frame), len(schema.columns),
                 id_type, "inferred" if inferred else "declared")
     for col in schema.numeric:
@@ -271,6 +273,23 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         id_formats=formats,
     )
     return table
+
+
+def _compact(text: pd.Series) -> pd.Series:
+    """A text column of few distinct values (a category) as pandas categorical: a small code per row, not its text.
+
+    The values are the same strings, so every later step (encoding, drift, scoring) reads the same column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = pa.array(text, from_pandas=True)
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)) or values.null_count:
+        return text
+    uniques = pc.unique(values)
+    if len(uniques) > max(1, len(values) // 4) or len(uniques) >= 1 << 15:
+        return text
+    codes = pc.index_in(values, value_set=uniques).to_numpy(zero_copy_only=False).astype(np.int16)
+    return pd.Series(pd.Categorical.from_codes(codes, categories=uniques.to_pylist()), index=text.index, name=text.name)
 
 
 def _check_unique(path: Path, column: str, id_type: IdType, normalized: IdColumn) -> None:
