@@ -292,8 +292,12 @@ def run_initiator(
     id_type: IdType = "text",
     admit: Callable[[SessionInfo], None] | None = None,
     spool_dir: Path | None = None,
+    hand_over: bool = False,
 ) -> tuple[str, PsiResult]:
     """Run the initiator's side of one session against ``peer``; return (session id, result).
+
+    ``hand_over``: ``own_points`` is the session's to free: a ``bytearray`` is emptied once the own set is
+    blinded, so its 32 bytes an ID are not held through the rest of the session (the intersection's peak).
 
     ``admit(info)``: the party's own limits on what the peer announced (``alignment.partnership``), called
     before anything is blinded; what it raises aborts the session.
@@ -323,6 +327,9 @@ def run_initiator(
         shuffled = Permuted(own_points, order, curve.POINT_BYTES)
         own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # our own hashes: nothing to check
                                  into=spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
+        del shuffled
+        if hand_over and isinstance(own_points, bytearray):  # (bytes, as small sets are hashed into, cannot be)
+            own_points.clear()
         for i in range(n_chunks(own_count, chunk_items)):
             peer.put_blinded(info.session_id, i, chunk_of(own_blinded, i, chunk_items, curve.POINT_BYTES))
         # The peer re-blinds our set while we re-blind its own: fetch its set first, then ours back.

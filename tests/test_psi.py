@@ -202,3 +202,25 @@ def test_a_request_to_a_session_closed_under_it_is_told_so(pool, threads) -> Non
                  lambda: responder.reblinded_chunk(0, timeout=1)):
         with pytest.raises(UnknownSession, match="aborted"):
             call()
+
+
+def test_a_handed_over_set_is_freed_once_blinded_and_the_result_is_the_same(threads) -> None:
+    """``hand_over``: the caller's hashed points are the session's; they are emptied once the own set is blinded
+    (before the intersection, the session's peak), and the session's result does not change."""
+    ids = [b"%d" % i for i in range(3000)]
+    bank_points, partner_points = curve.hash_to_curve(ids[:2000]), curve.hash_to_curve(ids[1000:])
+    pool = WorkerPool(1)
+    seen: list[int] = []
+
+    class Watching(LocalPsiPeer):
+        def get_blinded(self, session_id: str, index: int) -> bytes:  # after the own set was blinded and sent
+            seen.append(len(handed))
+            return super().get_blinded(session_id, index)
+
+    kept = bytearray(bank_points)
+    _, reference = run_initiator(LocalPsiPeer(partner_points, pool, threads), kept, pool, chunk_items=512)
+    handed = bytearray(bank_points)
+    _, result = run_initiator(Watching(partner_points, pool, threads), handed, pool, chunk_items=512, hand_over=True)
+    assert kept == bank_points and seen and set(seen) == {0} and handed == b""
+    assert len(result) == 1000
+    assert np.array_equal(np.sort(result.rows), np.sort(reference.rows))

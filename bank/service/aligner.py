@@ -163,8 +163,8 @@ def align_with_partners(
             points = hashed_points(table.normalized_ids, pool, cache_dir, partnership_dst(bank_name, name))
             peer = _Cancellable(partners[name], cancel)
             session_id, result = run_initiator(peer, points, pool, progress=report, cancel=cancel,
-                                               id_type=table.id_type, admit=logged[name].admit, spool_dir=cache_dir)
-            del points  # 32 bytes a customer, no longer needed: before the steps below allocate theirs
+                                               id_type=table.id_type, admit=logged[name].admit, spool_dir=cache_dir,
+                                               hand_over=True)  # 32 bytes a customer, freed once blinded
             with lock:
                 opened[name] = (session_id, result)
                 if not everyone:
