@@ -195,8 +195,10 @@ def align_with_partners(
         everyone.clear()
         first = next(iter(results.values()))[1].rows
         in_all = np.ones(len(first), dtype=bool)
-        for _, result in results.values():
-            in_all &= np.isin(first, result.rows)
+        for _, result in list(results.values())[1:]:  # a flag per bank customer, not a sort of each result
+            held = np.zeros(len(table), dtype=bool)
+            held[result.rows] = True
+            in_all &= held[first]
         rows = seeded_order(table, first[in_all], order_seed)
         check_minimum(len(rows), min_intersection, "all partners together")
         alignment = AlignedRows(uuid.uuid4().hex, rows)
