@@ -171,7 +171,8 @@ def hashed_points(
     except FileNotFoundError:
         pass
     except InvalidTag:
-        logger.warning("ignoring a cached hashed set that does not open with this party's key")
+        logger.warning("ignoring a cached hashed set that does not open (another key, or an older format); "
+                       "hashing again")
     data = pool.hash_to_curve(ids, dst)
     _seal_to(path, subkey, name, data)
     return data

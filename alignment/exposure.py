@@ -122,6 +122,7 @@ class Exposure:
         over-counted (the safe side), and no two sessions are judged on totals that miss each other."""
         with self._lock:
             before_sent, before_matched = self._load(partner)
+            self._check_not_rolled_back(partner, len(before_sent), len(before_matched))
             matched_new = _not_in(_sorted_unique(matched), before_matched)
             sent = _sorted_unique(sent)
             # The session alone, on what it tells anew: customers the partner had not matched before (scoring ones
@@ -143,6 +144,16 @@ class Exposure:
             self._save(partner, _merged(before_sent, sent_new), _merged(before_matched, matched_new))
             self._totals[partner] = over_all[1], over_all[0]
             return self._totals[partner]
+
+    def _check_not_rolled_back(self, partner: str, sent: int, matched: int) -> None:
+        """The ledger on disk holds at least what this process last wrote or read there (it is read per claim)."""
+        known = self._totals.get(partner)
+        if known is not None and (sent < known[0] or matched < known[1]):
+            raise DataError(
+                f"the exposure ledger of partner {partner!r} holds ({sent}, {matched}) (customers sent, matched), "
+                f"fewer than the ({known[0]}, {known[1]}) this service last recorded there: it was deleted or rolled "
+                f"back while the service ran. Restore {self.folder} from a backup: it bounds what {partner} may "
+                "still be told")
 
     def verify_against(self, records: list[dict[str, object]]) -> None:
         """Refuse (``DataError``) a ledger holding less than the session log's committed records say it held

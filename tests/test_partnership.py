@@ -192,6 +192,19 @@ def test_a_ledger_on_disk_counts_sessions_as_sets_whatever_their_order(tmp_path)
     assert told._memory == {}
 
 
+def test_a_ledger_rolled_back_while_the_service_runs_is_refused_at_the_next_claim(tmp_path) -> None:
+    """The ledger is read from disk per claim: one restored from an older copy mid-run must not restart the count."""
+    told = Exposure(tmp_path / "exposure")
+    names = [f"c{i}".encode() for i in range(3000)]
+    told.claim("partner", customer_keys(names[:1000]), customer_keys(names[:100]), 0.95)
+    older = (tmp_path / "exposure" / "partner.npz").read_bytes()
+    told.claim("partner", customer_keys(names[1000:2000]), customer_keys(names[1000:1100]), 0.95)
+    (tmp_path / "exposure" / "partner.npz").write_bytes(older)
+    with pytest.raises(DataError, match=r"holds \(1000, 100\).*fewer than the \(2000, 200\) this service last "
+                                        r"recorded there: it was deleted or rolled back while the service ran"):
+        told.claim("partner", customer_keys(names[2000:]), customer_keys(names[2000:2100]), 0.95)
+
+
 def test_a_ledger_deleted_or_rolled_back_stops_the_bank(tmp_path) -> None:
     """Deleting the ledger (or restoring an older one) would let a partner be told again what it was told."""
     told = Exposure(tmp_path / "exposure")

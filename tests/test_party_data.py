@@ -147,3 +147,20 @@ def test_serve_pins_its_cpus_before_reading_the_table(write_csv, tmp_path: Path)
     result = subprocess.run([sys.executable, "-c", script, "serve", "--name", "partner", "--data", str(path),
                              "--insecure", "--cpus", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert "cpus while reading [0]" in result.stdout, result.stderr[-2000:]
+
+
+def test_kinds_are_inferred_from_any_column_pandas_holds_and_categories_are_held_as_codes(write_csv) -> None:
+    """``infer_kinds`` takes what a caller's frame holds (an object column of mixed Python types reads as its
+    text); a loaded table keeps a category of few values as codes, whose values are the text as written."""
+    import pandas as pd
+
+    from parties.tables.schema import infer_kinds
+
+    frame = pd.DataFrame({"mixed": pd.Series([1, "2", 3.5], dtype=object), "words": ["a", "b", "a"],
+                          "spaced": pd.Series(["", "4", " "], dtype=object)})
+    assert infer_kinds(frame, ["mixed", "words", "spaced"]) == (("mixed", "spaced"), ("words",))
+    path = write_csv("t.csv", customer_id=[f"c{i}" for i in range(12)], y=[i % 2 for i in range(12)],
+                     job=[f"{'ab'[i % 2]} " for i in range(12)], age=list(range(12)))
+    table = load_party_table(path, labelled=True, categorical=["job"])
+    assert isinstance(table.features["job"].dtype, pd.CategoricalDtype)
+    assert table.features["job"].astype(str).tolist() == ["a ", "b "] * 6

@@ -104,7 +104,10 @@ def parse_numbers(text: pd.Series) -> pd.Series:
     in a tenth of the time); any other column (its first values tell) is parsed one distinct value at a time,
     and a column of categories has few. Neither keeps a copy of the column's text.
     """
-    values = pa.array(text, from_pandas=True)  # no copy of an Arrow-backed column
+    try:
+        values = pa.array(text, from_pandas=True)  # no copy of an Arrow-backed column
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # an object column of mixed types: as text
+        values = pa.array(text.astype(str), from_pandas=True)
     try:
         _cast_numbers(values.slice(0, 1024))
         return pd.Series(_cast_numbers(values), index=text.index)
