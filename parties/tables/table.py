@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 from safetensors.numpy import save as save_tensors
 
 from parties.errors import DataError
@@ -260,7 +262,7 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         if missing:
             logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
                         path.name, col, missing)
-    table = PartyTable(
+    return PartyTable(
         path=path,
         id_column=id_column,
         ids=raw_ids.reset_index(drop=True),
@@ -272,16 +274,12 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         task=task if labels is not None else None,
         id_formats=formats,
     )
-    return table
 
 
 def _compact(text: pd.Series) -> pd.Series:
     """A text column of few distinct values (a category) as pandas categorical: a small code per row, not its text.
 
     The values are the same strings, so every later step (encoding, drift, scoring) reads the same column."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     values = pa.array(text, from_pandas=True)
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)) or values.null_count:
         return text
@@ -293,8 +291,6 @@ def _compact(text: pd.Series) -> pd.Series:
 
 
 def _check_unique(path: Path, column: str, id_type: IdType, normalized: IdColumn) -> None:
-    import pyarrow.compute as pc
-
     # Sorted (stably), a repeated ID sits right after an equal one: the earliest such row is the first repeat.
     ids = normalized.arrow
     order = pc.array_sort_indices(ids)
