@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from functools import cache
 
 __all__ = ["release", "use_system_allocator"]
-
-logger = logging.getLogger(__name__)
 
 
 def use_system_allocator() -> None:
