@@ -76,6 +76,24 @@ def test_the_bank_only_model_learns_from_unaligned_customers_and_holds_some_out(
     assert np.array_equal(first, loaded.predict(frame)[0])
 
 
+def test_past_its_row_cap_the_bank_only_model_fits_a_seeded_sample_and_says_so(
+        bank_table, monkeypatch: pytest.MonkeyPatch) -> None:
+    full, _, _ = _train(bank_table)
+    trained = full.held_out["bank"]["trained_on"]
+    assert "sample" not in trained and full.bank_only.trained_rows_ == trained["aligned"] + trained["unaligned"]
+
+    monkeypatch.setattr("bank.scoring.bank_only.MAX_ROWS", 1000)
+    capped, _, _ = _train(bank_table)
+    assert capped.bank_only.trained_rows_ == 1000
+    assert capped.held_out["bank"]["trained_on"] == {**trained, "sample": 1000}  # the metrics say it
+    frame = bank_table.features
+    scores = capped.bank_only.predict(frame)[0]
+    assert not np.array_equal(scores, full.bank_only.predict(frame)[0])  # a different model: fewer rows
+    assert np.array_equal(scores, _train(bank_table)[0].bank_only.predict(frame)[0])  # the same sample each time
+    assert not np.array_equal(scores, _train(bank_table, seed=1)[0].bank_only.predict(frame)[0])  # seeded by the run
+    assert capped.held_out["bank"]["held_out"]["unaligned test"]["roc_auc"] > 0.55
+
+
 def test_a_stored_bank_only_model_is_checked_before_it_is_read(bank_table, tmp_path: Path) -> None:
     models, _, task = _train(bank_table)
     entries = models.save(tmp_path)

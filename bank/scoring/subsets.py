@@ -209,7 +209,7 @@ def train_subset_models(
     bank = names[0]
     try:
         models.bank_only = BankOnlyModel(task, seed=config.seed).fit(
-            features.iloc[train_rows], table.schema, train_targets)
+            features, table.schema, train_targets, rows=train_rows)
     except DataError as exc:
         logger.warning("no bank-only model: %s", exc)
     if models.bank_only is not None:
@@ -218,6 +218,8 @@ def train_subset_models(
             "trained_on": {"aligned": len(split.train), "unaligned": len(unaligned.split.train)},
             "held_out": {},
         }
+        if models.bank_only.trained_rows_ < len(train_rows):
+            models.held_out[bank]["trained_on"]["sample"] = models.bank_only.trained_rows_
         test_rows, test_targets = unaligned.part("test")
         _evaluate(models, bank, "unaligned test", task, test_targets, models.bank_only.predict(features.iloc[test_rows])[0])
         _evaluate(models, bank, "aligned test, partners withheld", task, targets[test],
