@@ -71,10 +71,10 @@ class Federation:
     def unsplit(self, config: TrainingConfig, coordinator: Coordinator, bottoms: dict[str, BottomConfig]) -> UnsplitModel:
         """The same model in one process: every party's features, encoded exactly as each party does."""
         train = torch.from_numpy(coordinator.split.train.astype(np.int64))
-        features = {"bank": PartySession("ref", self.bank, self.alignment, train, bottoms["bank"]).trainer.x.numpy()}
+        features = {"bank": PartySession("ref", self.bank, self.alignment, train, bottoms["bank"]).trainer.x.all().numpy()}
         for name in self.partners:
             session = PartySession("ref", self.tables[name], self.partner_alignment(name), train, bottoms[name])
-            features[name] = session.trainer.x.numpy()
+            features[name] = session.trainer.x.all().numpy()
         return UnsplitModel(features, bottoms, config.top, config.aggregation, coordinator.task)
 
 

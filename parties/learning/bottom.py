@@ -61,6 +61,7 @@ from parties.observability import STEPS
 from parties.protocol.training import PrivacyReport
 from parties.protocol.wire import all_finite
 from parties.storage.checkpoint import Checkpoint, load_model_state, model_state
+from parties.tables.encoding import EncodedRows
 
 __all__ = ["BottomTrainer", "MAX_BATCH_ROWS"]
 
@@ -74,7 +75,7 @@ class BottomTrainer:
 
     def __init__(
         self,
-        features: np.ndarray,
+        features: np.ndarray | EncodedRows,
         config: BottomConfig,
         privacy: PrivacyConfig | None = None,
         monitor: MonitorConfig | None = None,
@@ -83,14 +84,14 @@ class BottomTrainer:
     ) -> None:
         """``secret``: this party's protective randomness (embedding noise, probe rows); default: pinned by the
         privacy or monitor settings' seed, else fresh. It is part of the state: a restore draws the same."""
-        self.x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        self.x = features if isinstance(features, EncodedRows) else EncodedRows.dense(features)
         pins = [c.seed for c in (privacy, monitor) if c is not None and c.seed is not None]
         self.secret = secret or Secret.of(pins[0] if pins else None)
         self.config = config
         # Initial weights a counterparty can rebuild let a bank that keeps them from moving (gradients too
         # small for the optimizer to act on) invert every embedding: a seed of None draws them from the secret.
         init = int(self.secret.numpy("initial weights").integers(1 << 62)) if config.seed is None else None
-        self.model = build_bottom(self.x.shape[1], config, seed=init)
+        self.model = build_bottom(self.x.width, config, seed=init)
         self._params = list(self.model.parameters())
         self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0
@@ -103,7 +104,7 @@ class BottomTrainer:
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
         self.releases = 0  # embedding rows released (training and evaluation)
-        self.dp = (EmbeddingNoise(privacy, self.x.shape[0], self.secret)
+        self.dp = (EmbeddingNoise(privacy, len(self.x), self.secret)
                    if privacy is not None and privacy.embedding_noise else None)
         self.nopeek = NoPeek(privacy.nopeek) if privacy is not None and privacy.nopeek > 0 else None
         self.monitor = HijackMonitor(monitor, self.secret) if monitor is not None and monitor.active else None
@@ -130,7 +131,7 @@ class BottomTrainer:
 
     @property
     def n_rows(self) -> int:
-        return self.x.shape[0]
+        return len(self.x)
 
     def _check_rows(self, rows: torch.Tensor | None) -> None:
         if rows is None:
@@ -201,10 +202,10 @@ class BottomTrainer:
                 if not self.model.training:
                     self.model.train()
                 if self.local_batch is None:
-                    z = fast_path.forward(self.model, self.x.index_select(0, rows))
+                    z = fast_path.forward(self.model, self.x.take(rows))
                 else:  # no graph: each local step recomputes its batch's embedding
                     with torch.no_grad():
-                        z = self.model(self.x.index_select(0, rows))
+                        z = self.model(self.x.take(rows))
                 clean_out = z.detach()
                 if self.nopeek is not None and self.local_batch is None:
                     self._pending_clean = self.dp.clipped(z) if self.dp is not None else z
@@ -240,7 +241,7 @@ class BottomTrainer:
     def _update(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor | None = None) -> None:
         """An update from ``grad``, the gradient of ``rows``' embedding; with ``answered`` (reuse), each row
         weighted by the cosine of its embedding now and ``answered``, floored at 0."""
-        z = fast_path.forward(self.model, self.x.index_select(0, rows))
+        z = fast_path.forward(self.model, self.x.take(rows))
         if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
             z = self.dp.clipped(z)
         if answered is not None:
@@ -256,7 +257,7 @@ class BottomTrainer:
             fast_path.backward(z, grad)
             return
         assert clean is not None
-        penalty = self.nopeek.penalty(self.x.index_select(0, rows), clean)
+        penalty = self.nopeek.penalty(self.x.take(rows), clean)
         # Both in one pass: with DP the two share the graph up to the clipping.
         torch.autograd.backward((z, penalty), (grad, torch.ones_like(penalty)))
 
@@ -294,7 +295,7 @@ class BottomTrainer:
             raise HijackSuspected(self.monitor.alarm)  # nothing more leaves a session the monitor stopped
         with self._lock, torch.no_grad():
             self.model.eval()
-            z = self.model(self.x.index_select(0, rows))
+            z = self.model(self.x.take(rows))
             self.model.train()
             if self.dp is not None:  # one state of the weights: the same noise however often it is asked
                 z = self.dp.release(z, rows, state=self.next_step)
@@ -372,12 +373,12 @@ class BottomTrainer:
             if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
                 self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
                 with torch.no_grad():
-                    active = self.model(self.x.index_select(0, rows)) > 0
+                    active = self.model(self.x.take(rows)) > 0
                 self._pending_active = active.to(self._pending.dtype) if self._relu_output else None
             elif rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
-                z = self.model(self.x.index_select(0, rows))
+                z = self.model(self.x.take(rows))
                 clean = z
                 if self.dp is not None:
                     clean = self.dp.clipped(z)

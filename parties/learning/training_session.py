@@ -56,10 +56,10 @@ class PartySession:
         self.train_digest = _digest(train_positions)
         self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
         self.owner = ""  # the bank that started it
-        aligned = table.features.iloc[alignment.rows]
-        self.encoder = TabularEncoder(table.schema).fit(aligned.iloc[positions])
+        self.encoder = TabularEncoder(table.schema).fit(table.features.iloc[alignment.rows[positions]])
         self.privacy, self.monitor = privacy, monitor
-        self.trainer = BottomTrainer(self.encoder.transform(aligned), config, privacy, monitor, local)
+        features, _ = self.encoder.encode_rows(table.features, alignment.rows)
+        self.trainer = BottomTrainer(features, config, privacy, monitor, local)
         self.writer = CheckpointWriter()
         self.last_used = time.monotonic()
         logger.info("training session %s: %d aligned rows, %d encoded features, cut width %d; set up in %.3f s",
@@ -116,7 +116,7 @@ class PartySession:
         self.privacy = PrivacyConfig.model_validate(meta["privacy"]) if meta.get("privacy") else None
         self.monitor = MonitorConfig.model_validate(meta["monitor"]) if meta.get("monitor") else None
         self.encoder = TabularEncoder.from_dict(meta["encoder"])
-        features = self.encoder.transform(table.features.iloc[alignment.rows])
+        features, _ = self.encoder.encode_rows(table.features, alignment.rows)
         self.trainer = BottomTrainer(features, self.config, self.privacy, self.monitor,
                                      LocalSteps.model_validate(meta["trainer"].get("local", {})))
         self.trainer.load_state(checkpoint, meta["trainer"])

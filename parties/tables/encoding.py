@@ -2,6 +2,8 @@
 
 Fitted on the party's own training rows only. The learned state is plain
 data (categories, means, scales) so it can be saved as JSON beside the model.
+A training session keeps its rows as ``EncodedRows`` (numbers, and each category's position) and expands
+each batch into the one-hot when it is used: memory grows with the table's columns, not the encoded width.
 """
 
 from __future__ import annotations
@@ -9,16 +11,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from parties.errors import DataError
 from parties.tables.drift import Drift, fit_profile, stability
 from parties.tables.schema import POLICIES, FeatureSchema
 
-__all__ = ["Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
+__all__ = ["EncodedRows", "Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
 
 #: Per column, how many values took a declared policy instead of being encoded as seen in training:
 #: ``{"job": {"unseen category": 3}, "balance": {"missing: training mean": 1}}``.
@@ -66,6 +70,69 @@ def _category_text_each(values: pd.Series) -> pd.Series:
         return text.astype(object)
     text = values.astype(object).map(lambda v: "" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
     return text.str.strip().str.replace(_INTEGRAL, r"\1", regex=True)
+
+
+def _category_codes(values: pd.Series, categories: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's position in ``categories`` (-1: none) and whether its ``category_text`` is empty.
+
+    Worked out on the column's distinct values and spread over the rows, as ``category_text`` does, without
+    a Python string per row."""
+    index = pd.Index(list(categories), dtype=object)
+    codes, uniques = pd.factorize(values)
+    numeric = pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+    if not numeric and not all(type(u) is str for u in uniques):
+        text = category_text(values).to_numpy(dtype=object)
+        return index.get_indexer(text), text == ""
+    each = _category_text_each(pd.Series(uniques, dtype=values.dtype)).to_numpy(dtype=object)
+    found, empty = index.get_indexer(each)[codes], (each == "")[codes]
+    missing = codes < 0
+    if missing.any():  # found and empty read position -1 there: replaced by the missing values' own text
+        text = _category_text_each(values[missing]).to_numpy(dtype=object)
+        found[missing], empty[missing] = index.get_indexer(text), text == ""
+    return found, empty
+
+
+class EncodedRows:
+    """Encoded rows kept compactly: the numbers (float32), and each categorical column's category position
+    (-1: the all-zero "unknown"). ``take`` gives a batch of rows exactly as ``TabularEncoder.encode`` would.
+    """
+
+    def __init__(self, numbers: np.ndarray, codes: np.ndarray, sizes: Sequence[int]) -> None:
+        if codes.shape != (len(numbers), len(sizes)) or any(size < 1 for size in sizes):
+            raise ValueError(f"codes of shape {codes.shape} for {len(numbers)} rows of {len(sizes)} columns of "
+                             f"{list(sizes)} categories")
+        self.numbers = torch.from_numpy(np.ascontiguousarray(numbers, dtype=np.float32))
+        self.codes = torch.from_numpy(codes)
+        self.width = self.numbers.shape[1] + int(sum(sizes))
+        self._offsets = torch.from_numpy(self.numbers.shape[1] + np.cumsum([0, *sizes[:-1]], dtype=np.int64))
+
+    @classmethod
+    def dense(cls, matrix: np.ndarray) -> EncodedRows:
+        """Rows already encoded: kept as they are."""
+        return cls(np.asarray(matrix, dtype=np.float32), np.zeros((len(matrix), 0), dtype=np.int16), [])
+
+    def __len__(self) -> int:
+        return self.numbers.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.width
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The encoded rows at positions ``rows``: a float32 matrix, one row per position."""
+        numbers = self.numbers.index_select(0, rows)
+        if not self.codes.shape[1]:
+            return numbers
+        codes = self.codes.index_select(0, rows).long()
+        known = codes >= 0
+        out = torch.zeros(len(rows), self.width, dtype=torch.float32)
+        out[:, : numbers.shape[1]] = numbers
+        # An unknown category writes 0 on its own column's first slot, which is 0 already.
+        return out.scatter_(1, torch.where(known, codes + self._offsets, self._offsets), known.to(out.dtype))
+
+    def all(self) -> torch.Tensor:
+        """Every row, encoded."""
+        return self.take(torch.arange(len(self)))
 
 
 @dataclass
@@ -123,10 +190,26 @@ class TabularEncoder:
         slot; a missing number as the training mean (z-score 0). A training row's category was
         seen (the encoder is fitted on them); its missing numbers take the mean as well.
         """
+        rows, fallbacks = self.encode_rows(frame)
+        return rows.all().numpy(), fallbacks
+
+    def encode_rows(self, frame: pd.DataFrame, rows: np.ndarray | None = None,
+                    chunk: int = 1 << 18) -> tuple[EncodedRows, Fallbacks]:
+        """``encode(frame.iloc[rows])``'s rows kept compactly (``EncodedRows``), and its fallbacks; ``frame``
+        is read ``chunk`` rows at a time, so no column of it is copied whole. ``rows``: default, all."""
         if not self.categories_ and self.schema.categorical:
             raise DataError("the encoder is not fitted")
-        # One float32 matrix, filled column by column: never a float64 block per column and their join.
-        out = np.zeros((len(frame), self.width), dtype=np.float32)
+        sizes = [len(self.categories_[col]) for col in self.schema.categorical]
+        n = len(frame) if rows is None else len(rows)
+        numbers = np.empty((n, len(self.schema.numeric)), dtype=np.float32)
+        codes = np.empty((n, len(sizes)), dtype=np.int16 if max(sizes, default=0) < 1 << 15 else np.int32)
+        fallbacks: Fallbacks = {}
+        for start in range(0, n, chunk):
+            part = frame.iloc[start : start + chunk] if rows is None else frame.iloc[rows[start : start + chunk]]
+            merge_fallbacks(fallbacks, self._encode_into(part, numbers[start : start + chunk], codes[start : start + chunk]))
+        return EncodedRows(numbers, codes, sizes), fallbacks
+
+    def _encode_into(self, frame: pd.DataFrame, numbers: np.ndarray, codes: np.ndarray) -> Fallbacks:
         fallbacks: Fallbacks = {}
         for j, col in enumerate(self.schema.numeric):
             values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=np.float64)
@@ -134,21 +217,17 @@ class TabularEncoder:
             if missing.any():
                 fallbacks[col] = {MISSING_NUMBER: int(missing.sum())}
                 values = np.where(missing, self.means_[col], values)
-            out[:, j] = (values - self.means_[col]) / self.scales_[col]  # computed in float64, rounded once
-        at = len(self.schema.numeric)
-        for col in self.schema.categorical:
-            cats = self.categories_[col]
-            text = category_text(frame[col])
-            codes = pd.Index(cats).get_indexer(text)
-            known = codes >= 0
-            out[np.flatnonzero(known), at + codes[known]] = 1.0
-            at += len(cats)
-            empty = int(((text == "") & ~known).sum())
+            numbers[:, j] = (values - self.means_[col]) / self.scales_[col]  # computed in float64, rounded once
+        for j, col in enumerate(self.schema.categorical):
+            found, empty_text = _category_codes(frame[col], self.categories_[col])
+            codes[:, j] = found
+            known = found >= 0
+            empty = int((empty_text & ~known).sum())
             unseen = int((~known).sum()) - empty
             counts = {k: v for k, v in ((UNSEEN, unseen), (MISSING_CATEGORY, empty)) if v}
             if counts:
                 fallbacks[col] = counts
-        return out, fallbacks
+        return fallbacks
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -295,7 +295,7 @@ class HijackingBank:
         training steps' embeddings (1.0: no better than each feature's mean)."""
         rows = torch.cat([r for r, _ in self.sent[-last_steps:]])
         z = torch.cat([e for _, e in self.sent[-last_steps:]])
-        x = self.features.index_select(0, rows)
+        x = self.features.take(rows)
         with torch.no_grad():
             residual = (self.decoder(z) - x).square().sum()
         return float(residual / (x - x.mean(0)).square().sum())

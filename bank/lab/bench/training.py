@@ -130,7 +130,7 @@ def _unsplit_side(paths: dict[str, Path], config: TrainingConfig, threads: int) 
     train = torch.from_numpy(split.train.astype(np.int64))
     bottoms = {"bank": config.bank_bottom, "partner": config.bank_bottom.model_copy(update={"seed": PARTNER_SEED})}
     features = {
-        name: PartySession("sim", table, alignments[name], train, bottoms[name]).trainer.x.numpy()
+        name: PartySession("sim", table, alignments[name], train, bottoms[name]).trainer.x.all().numpy()
         for name, table in (("bank", bank), ("partner", partner))
     }
     model = UnsplitModel(features, bottoms, config.top, config.aggregation, task)

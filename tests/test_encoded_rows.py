@@ -1,0 +1,87 @@
+"""Encoded rows kept compactly (numbers and category positions) give every batch exactly as the one-hot
+encoding of the whole table does, and count the same fallbacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from parties.tables.encoding import (MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, EncodedRows, TabularEncoder,
+                                     category_text)
+from parties.tables.schema import FeatureSchema
+
+
+def _reference(encoder: TabularEncoder, frame: pd.DataFrame) -> tuple[np.ndarray, dict]:
+    """The one-hot encoding written out value by value: text of every cell, looked up in the categories."""
+    out = np.zeros((len(frame), encoder.width), dtype=np.float32)
+    fallbacks: dict = {}
+    for j, col in enumerate(encoder.schema.numeric):
+        values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=np.float64)
+        missing = np.isnan(values)
+        if missing.any():
+            fallbacks[col] = {MISSING_NUMBER: int(missing.sum())}
+        out[:, j] = (np.where(missing, encoder.means_[col], values) - encoder.means_[col]) / encoder.scales_[col]
+    at = len(encoder.schema.numeric)
+    for col in encoder.schema.categorical:
+        cats = encoder.categories_[col]
+        text = category_text(frame[col]).to_numpy(dtype=object)
+        for i, value in enumerate(text):
+            if value in cats:
+                out[i, at + cats.index(value)] = 1.0
+        known = np.isin(text, cats)
+        empty = int(((text == "") & ~known).sum())
+        counts = {k: v for k, v in ((UNSEEN, int((~known).sum()) - empty), (MISSING_CATEGORY, empty)) if v}
+        if counts:
+            fallbacks[col] = counts
+        at += len(cats)
+    return out, fallbacks
+
+
+def _frame(rng: np.random.Generator, n: int, unseen: bool) -> pd.DataFrame:
+    words = np.array(["a", " b", "c ", "01", "1", "", "dd"] + (["zz", "new"] if unseen else []), dtype=object)
+    text = pd.Series(rng.choice(words, n), dtype=object)
+    text[rng.random(n) < 0.1] = None
+    mixed = pd.Series(rng.choice(np.array([1, 2.0, "2", "x", None, np.nan], dtype=object), n), dtype=object)
+    codes = pd.Series(rng.integers(0, 5 + 3 * unseen, n)).astype("float64")
+    codes[rng.random(n) < 0.1] = np.nan
+    numbers = pd.Series(rng.normal(size=n))
+    numbers[rng.random(n) < 0.1] = np.nan
+    return pd.DataFrame({"num": numbers, "big": rng.integers(0, 10**6, n), "text": text,
+                         "cat": text.astype("category"), "mixed": mixed, "codes": codes,
+                         "nullable": pd.array(rng.choice([1, 2, 3, None], n), dtype="Int64")})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_batch_is_the_one_hot_of_its_rows_and_fallbacks_are_counted_alike(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    schema = FeatureSchema(("num", "big"), ("text", "cat", "mixed", "codes", "nullable"))
+    encoder = TabularEncoder(schema).fit(_frame(rng, 400, unseen=False))
+    frame = _frame(rng, 1000, unseen=True)
+    expected, fallbacks = _reference(encoder, frame)
+    assert set(fallbacks) >= {"num", "text", "codes"}  # the frame exercises the policies
+
+    rows, counted = encoder.encode_rows(frame, chunk=97)  # several chunks, the last one short
+    assert counted == fallbacks and rows.shape == expected.shape
+    batch = torch.from_numpy(rng.permutation(len(frame))[:300])
+    assert torch.equal(rows.take(batch), torch.from_numpy(expected)[batch])
+    dense, again = encoder.encode(frame)
+    assert np.array_equal(dense, expected) and again == fallbacks
+
+    some = rng.permutation(len(frame))[:250]
+    subset, _ = encoder.encode_rows(frame, some, chunk=64)
+    assert torch.equal(subset.all(), torch.from_numpy(expected[some]))
+    # Kept compactly: 4 bytes a number and 2 a categorical column, not 4 for every one-hot slot.
+    assert subset.numbers.element_size() * subset.numbers.shape[1] + subset.codes.element_size() * 5 == 18
+    assert encoder.width > 18 // 4
+
+
+def test_already_encoded_rows_and_a_bad_shape() -> None:
+    matrix = np.arange(12, dtype=np.float32).reshape(4, 3)
+    rows = EncodedRows.dense(matrix)
+    assert rows.shape == (4, 3) and torch.equal(rows.take(torch.tensor([2, 0])), torch.from_numpy(matrix[[2, 0]]))
+    with pytest.raises(ValueError, match="codes of shape"):
+        EncodedRows(matrix, np.zeros((3, 1), dtype=np.int16), [2])
+    with pytest.raises(ValueError, match="categories"):
+        EncodedRows(matrix, np.zeros((4, 1), dtype=np.int16), [0])
