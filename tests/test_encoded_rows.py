@@ -8,8 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from parties.tables.encoding import (MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, EncodedRows, TabularEncoder,
-                                     category_text)
+from parties.tables.encoding import MISSING_CATEGORY, MISSING_NUMBER, UNSEEN, EncodedRows, TabularEncoder, category_text
 from parties.tables.schema import FeatureSchema
 
 
