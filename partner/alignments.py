@@ -50,7 +50,7 @@ class PsiDesk:
                  threads: ThreadPoolExecutor) -> None:
         self.settings, self.table, self.banks, self.pool, self.threads = settings, table, banks, pool, threads
         self.partnership = Partnership.at(settings.state_path / "psi-sessions.log", settings.psi_limits, len(table))
-        self._points: dict[str, Future[bytes]] = {}  # per bank: this table hashed under the partnership's DST
+        self._points: dict[str, Future[bytes]] = {}  # per bank: this table being hashed under the partnership's DST
         self._lock = threading.Lock()
 
     def open_session(self, bank: str, request: PsiOpenRequest) -> PsiOpenResponse:
@@ -69,7 +69,15 @@ class PsiDesk:
                 # its own least recently used session makes room. Another bank's slots are its own.
                 oldest = min(space.psi, key=lambda sid: space.psi[sid].last_used)
                 self._drop(bank, oldest, "aborted", "its bank opened another with every slot taken")
-        points = self._hashed_for(bank).result()
+        hashing = self._hashed_for(bank)
+        try:
+            points = hashing.result()
+        finally:
+            # Not held for the service's life (32 bytes an ID): the hash cache on disk serves the next session, and
+            # a hashing that failed is tried again then.
+            with self._lock:
+                if self._points.get(bank) is hashing:
+                    del self._points[bank]
         responder = PsiResponder(points, request.count, self.pool, self.threads, request.chunk_items, bank,
                                  session_id=session_id, spool_dir=self.settings.cache_dir)
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,20 @@ def _align(federation, mode: str, wrap=lambda name, peer: peer):
         alignment, pairwise = align_with_partners(table, peers, pool, order_seed=7, mode=mode)
     partner_rows = {n: servers[n].app.state.core.alignment_of("bank").rows.copy() for n in PARTNERS}
     return alignment, pairwise, partner_rows
+
+
+def test_a_partner_holds_no_hashed_set_between_sessions_and_reads_it_back_from_its_cache(
+        federation, caplog: pytest.LogCaptureFixture) -> None:
+    first, _, first_rows = _align(federation, "sequential")
+    servers = federation[2]
+    assert all(servers[n].app.state.core.psi._points == {} for n in PARTNERS)
+    with caplog.at_level(logging.INFO, logger="alignment.cache"):
+        again, _, again_rows = _align(federation, "sequential")
+    assert np.array_equal(first.rows, again.rows)
+    assert all(np.array_equal(first_rows[n], again_rows[n]) for n in PARTNERS)
+    # Every partner (and the bank) read its hashed set back from its own cache: nothing was hashed again.
+    assert caplog.text.count("hashed ID set read from the cache") >= len(PARTNERS)
+    assert "hashing again" not in caplog.text
 
 
 class _Meeting:
