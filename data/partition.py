@@ -19,7 +19,7 @@ import pandas as pd
 from parties.errors import ConfigError, DataError
 from parties.storage.files import atomic_write_text
 from parties.tables.schema import PartySchema, infer_kinds, sidecar_path
-from parties.tables.table import PARQUET_SUFFIXES, read_table_text, sniff_separator
+from parties.tables.table import COLUMNAR_SUFFIXES, read_table_text, sniff_separator
 
 __all__ = [
     "BANK_COLUMNS",
@@ -118,9 +118,9 @@ def bank_marketing_spec(
 
 
 def read_source_csv(path: Path, sep: str | None = None) -> pd.DataFrame:
-    """Read a CSV (or Parquet) file as text (IDs keep leading zeros); ``sep=None`` picks ``;`` or ``,``."""
+    """Read a CSV (or Parquet or Feather) file as text (IDs keep leading zeros); ``sep=None`` picks ``;`` or ``,``."""
     path = Path(path)
-    if path.suffix.lower() in PARQUET_SUFFIXES:
+    if path.suffix.lower() in COLUMNAR_SUFFIXES:
         if not path.is_file():
             raise DataError(f"{path}: no such file")
         return read_table_text(path)

@@ -84,20 +84,30 @@ _row = file_row
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+#: Arrow's own file format (Feather V2, or V1): read memory-mapped, its text columns not copied.
+ARROW_SUFFIXES = (".feather", ".arrow", ".ipc")
+COLUMNAR_SUFFIXES = PARQUET_SUFFIXES + ARROW_SUFFIXES
 
 
 def read_table_text(path: Path) -> pd.DataFrame:
-    """A CSV (``;`` or ``,``; any line ending) or Parquet file, every cell as text, missing cells as ``""``.
+    """A CSV (``;`` or ``,``; any line ending), Parquet or Feather/Arrow file, every cell as text, missing cells as ``""``.
 
     Text first, types second: the party's schema decides what a column is, not
     the reader's guess, so a table means the same whichever format it came in.
     """
     path = Path(path)
+    separator = ","
     try:
         with path.open("rb") as f:
-            magic = f.read(4)
-        if path.suffix.lower() in PARQUET_SUFFIXES or magic == b"PAR1":
-            return _parquet_as_text(path)
+            magic = f.read(6)
+        if path.suffix.lower() in PARQUET_SUFFIXES or magic[:4] == b"PAR1":
+            import pyarrow.parquet as pq
+
+            return _arrow_as_text(path, pq.read_table(path, memory_map=True))
+        if path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
+            import pyarrow.feather as feather
+
+            return _arrow_as_text(path, feather.read_table(path, memory_map=True))
         separator = sniff_separator(path)
         # Arrow's reader: text columns without a Python object per cell, and in a tenth of the time.
         return pd.read_csv(path, dtype=str, keep_default_na=False, sep=separator, engine="pyarrow")
@@ -107,8 +117,8 @@ def read_table_text(path: Path) -> pd.DataFrame:
         if "CSV parse error" in str(exc):  # Arrow quotes the row, which may hold an ID: say where it is instead
             raise DataError(f"{path}: not a readable CSV file ({_ragged_row(path, separator)})") from None
         raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
-    except (UnicodeDecodeError, ValueError, OSError) as exc:
-        raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, OSError, pa.ArrowException) as exc:
+        raise DataError(f"{path}: not a readable CSV, Parquet or Feather file ({exc})") from exc
 
 
 def _ragged_row(path: Path, separator: str) -> str:
@@ -122,17 +132,34 @@ def _ragged_row(path: Path, separator: str) -> str:
     return "a row's fields do not match the header"
 
 
-def _parquet_as_text(path: Path) -> pd.DataFrame:
-    frame = pd.read_parquet(path)
-    out = pd.DataFrame(index=frame.index)
-    for col in frame.columns:
-        values = frame[col]
-        if pd.api.types.is_float_dtype(values):
-            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v)))
-        else:
-            text = values.map(lambda v: "" if v is None or (isinstance(v, float) and pd.isna(v)) or v is pd.NA else str(v))
-        out[str(col)] = text.astype(object)
-    return out
+def _arrow_as_text(path: Path, table: pa.Table) -> pd.DataFrame:
+    """A typed Arrow table as text columns: text stays Arrow's own (no copy; memory-mapped for Feather), any
+    other type is written out once per distinct value (``_cell_text``), never once per cell."""
+    index = (table.schema.pandas_metadata or {}).get("index_columns", [])  # a pandas index is not a column
+    table = table.drop_columns([c for c in index if isinstance(c, str) and c in table.column_names])
+    names = [str(c) for c in table.column_names]
+    repeated = sorted({c for c in names if names.count(c) > 1})
+    if repeated:
+        raise DataError(f"{path}: columns named more than once: {repeated}")
+    text = pa.table({name: _column_text(table.column(i)) for i, name in enumerate(names)})
+    return text.to_pandas()
+
+
+def _column_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return pc.fill_null(values, "")
+    uniques = pc.unique(values).drop_null()
+    written = pa.array([_cell_text(v) for v in uniques.to_pylist()], pa.string())
+    return pc.fill_null(pc.take(written, pc.index_in(values, uniques)), "")
+
+
+def _cell_text(value: object) -> str:
+    """A typed cell as text: a float as Python writes it (shortest round trip; NaN is missing), else ``str``."""
+    if isinstance(value, float):
+        return "" if value != value else repr(value)
+    return str(value)
 
 
 def load_party_table(
