@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +106,7 @@ def read_table_text(path: Path) -> pd.DataFrame:
 
             return _arrow_as_text(path, pq.read_table(path, memory_map=True))
         if path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
-            import pyarrow.feather as feather
+            from pyarrow import feather
 
             return _arrow_as_text(path, feather.read_table(path, memory_map=True))
         separator = sniff_separator(path)
@@ -158,7 +159,7 @@ def _column_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
 def _cell_text(value: object) -> str:
     """A typed cell as text: a float as Python writes it (shortest round trip; NaN is missing), else ``str``."""
     if isinstance(value, float):
-        return "" if value != value else repr(value)
+        return "" if math.isnan(value) else repr(value)
     return str(value)
 
 
