@@ -84,3 +84,19 @@ def test_already_encoded_rows_and_a_bad_shape() -> None:
         EncodedRows(matrix, np.zeros((3, 1), dtype=np.int16), [2])
     with pytest.raises(ValueError, match="categories"):
         EncodedRows(matrix, np.zeros((4, 1), dtype=np.int16), [0])
+
+
+def test_a_trained_bottom_embeds_encoded_rows_batch_by_batch_as_all_at_once() -> None:
+    from types import SimpleNamespace
+
+    from parties.learning.trained_bottom import ScoringBottom
+
+    rng = np.random.default_rng(3)
+    schema = FeatureSchema(("num", "big"), ("text", "cat", "codes"))
+    encoder = TabularEncoder(schema).fit(_frame(rng, 300, unseen=False))
+    rows, _ = encoder.encode_rows(_frame(rng, 1000, unseen=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(encoder.width, 8), torch.nn.ReLU())
+    bottom = SimpleNamespace(width=8, embed=lambda x: model(x).detach())
+    whole = bottom.embed(rows.all())
+    assert torch.allclose(ScoringBottom.embed_rows(bottom, rows, batch=97), whole, rtol=0, atol=1e-6)

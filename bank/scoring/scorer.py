@@ -163,8 +163,8 @@ def score_customers(
     customers = _Customers(table, names)
     customers.drift[bank_name] = own.encoder.drift(table.features)
     judge_drift({bank_name: customers.drift[bank_name]}, accept_drift, {bank_name: len(table)})  # before any PSI
-    own_features, customers.fallbacks[bank_name] = own.encoder.encode(table.features[list(own.encoder.schema.columns)])
-    customers.embeddings[bank_name] = own.embed(torch.from_numpy(own_features))
+    own_rows, customers.fallbacks[bank_name] = own.encoder.encode_rows(table.features)
+    customers.embeddings[bank_name] = own.embed_rows(own_rows)
     refused = {}
     for k, name in enumerate(names[1:], start=1):
         partner, entry = partners[name], manifest.party(name)

@@ -18,7 +18,7 @@ from safetensors.torch import load as load_tensors
 
 from parties.errors import DataError
 from parties.learning.model import BottomConfig, build_bottom
-from parties.tables.encoding import TabularEncoder
+from parties.tables.encoding import EncodedRows, TabularEncoder
 
 __all__ = ["MODEL_FILES", "ScoringBottom", "verify_files"]
 
@@ -72,3 +72,10 @@ class ScoringBottom:
     def embed(self, features: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.model(features)
+
+    def embed_rows(self, rows: EncodedRows, batch: int = 1 << 16) -> torch.Tensor:
+        """The embedding of every row of ``rows``, its one-hot built ``batch`` rows at a time."""
+        out = torch.empty(len(rows), self.width)
+        for start in range(0, len(rows), batch):
+            out[start : start + batch] = self.embed(rows.take(torch.arange(start, min(start + batch, len(rows)))))
+        return out
