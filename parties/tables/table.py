@@ -85,7 +85,8 @@ _row = file_row
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-#: Arrow's own file format (Feather V2, or V1): read memory-mapped, its text columns not copied.
+#: Arrow's own file format (Feather V2, or V1). Read memory-mapped: an uncompressed file's text columns (IDs
+#: included) stay pages of the file, which the system may drop and read again; a compressed one is decompressed.
 ARROW_SUFFIXES = (".feather", ".arrow", ".ipc")
 COLUMNAR_SUFFIXES = PARQUET_SUFFIXES + ARROW_SUFFIXES
 
