@@ -116,7 +116,7 @@ def print_score_command(args: argparse.Namespace, result: dict[str, Any]) -> Non
     command = ["python", "-m", "bank", "score", *connection, "--model", result["session"], "--data", scoring["data"],
                "--out", "scores.csv"]
     print(f"\nmodel id: {result['session']}\n"
-          f"score customers with it: a CSV or Parquet file with the columns {', '.join(scoring['columns'])}; the "
+          f"score customers with it: a CSV, Parquet or Feather file with the columns {', '.join(scoring['columns'])}; the "
           f"bank's own file is one, and scores every customer it holds:\n  {shlex.join(command)}")
 
 

@@ -87,7 +87,7 @@ def build_parser(prog: str = "python -m data") -> argparse.ArgumentParser:
 
     sch = command(sub, "schema", "show a table's schema (inferred, or its schema file) and write one to edit",
                   handler=_schema_command)
-    sch.add_argument("file", type=Path, help="a party's CSV or Parquet file")
+    sch.add_argument("file", type=Path, help="a party's CSV, Parquet or Feather file")
     sch.add_argument("--id-column", default=None, help="the customer ID column (default: the schema file's, else customer_id)")
     sch.add_argument("--label", default=None,
                      help="the label column, for the bank's table (default: the schema file's, else none)")
