@@ -178,7 +178,7 @@ def load_party_table(
     id_type: IdType | None = None,
     task: TaskKind | None = None,
 ) -> PartyTable:
-    """Load and validate a party's table (CSV or Parquet).
+    """Load and validate a party's table (CSV, Parquet or Feather).
 
     The ID column is ``id_column``, else the schema file's, else ``customer_id``;
     its type ``id_type``, else the schema file's, else inferred. With ``labelled``
