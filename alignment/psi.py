@@ -187,7 +187,8 @@ class PsiResponder:
         self.cancelled = threading.Event()
         self.own_count = len(self.own_points) // curve.POINT_BYTES
         self._order = fresh_order(self.own_count)
-        # Every set but the own hashed points is on disk: the session's memory is 40 bytes per own ID.
+        # Every set but the own hashed points is on disk: the session's memory is 40 bytes per own ID until its own
+        # set is blinded, 8 bytes after.
         self._spools = [Spool(curve.POINT_BYTES, self.spool_dir), Spool(curve.POINT_BYTES, self.spool_dir),
                         Spool(TRUNCATED_BYTES, self.spool_dir)]
         self._peer_blinded = ChunkedReceiver("blinded", self.peer_count, curve.POINT_BYTES, self.chunk_items,
@@ -196,6 +197,8 @@ class PsiResponder:
         self._own_blinded: Future[Spool] = self.threads.submit(
             self.pool.blind, self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
             into=self._spools[0])
+        # Blinded (on disk), the hashed points are no longer needed: not held for the rest of the session.
+        self._own_blinded.add_done_callback(lambda _done: setattr(self, "own_points", b""))
         self._peer_double: Future[Spool] | None = None
         self._start_reblinding()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -224,3 +225,20 @@ def test_a_handed_over_set_is_freed_once_blinded_and_the_result_is_the_same(thre
     assert kept == bank_points and seen and set(seen) == {0} and handed == b""
     assert len(result) == 1000
     assert np.array_equal(np.sort(result.rows), np.sort(reference.rows))
+
+
+def test_a_responder_lets_go_of_its_hashed_points_once_its_own_set_is_blinded(pool, threads) -> None:
+    """The responder's own hashed points (32 bytes an ID) are needed only to blind its own set, which is then on
+    disk: the session drops them, and every chunk it serves after is the same."""
+    points = curve.hash_to_curve([curve.normalize_id(i) for i in range(1500)])
+    peer = LocalPsiPeer(points, pool, threads)
+    info = peer.open(10, 256)
+    responder = peer.sessions[info.session_id]
+    first = responder.blinded_chunk(0, timeout=60)
+    chunks = [first] + [responder.blinded_chunk(i, timeout=60) for i in range(1, 6)]
+    deadline = time.monotonic() + 10  # dropped by the blinding's completion callback, just after it completes
+    while responder.own_points and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert responder.own_points == b"" and responder.own_count == 1500
+    assert sum(len(c) for c in chunks) == len(points) and responder.blinded_chunk(0, timeout=60) == first
+    peer.abort(info.session_id)
