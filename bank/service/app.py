@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,8 @@ from parties.protocol.control import AlignmentInfo, AlignmentRequest, JobStatus,
 from bank.settings import BankSettings
 from parties.tables.table import PartyTable
 from parties.transport.app import create_party_app, read_body, require_self
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["create_app"]
 
@@ -87,13 +90,18 @@ async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.jobs.get(job_id).status()
 
 
-def _warm_up() -> None:
+def _warm_up(done: threading.Event) -> None:
     """What a bank's first training would otherwise wait for: torch's optimizers and scikit-learn (split,
-    metrics, the bank-only model), imported after the service listens."""
-    prepare_optimizers()
-    import sklearn.ensemble  # noqa: F401
-    import sklearn.metrics  # noqa: F401
-    import sklearn.model_selection  # noqa: F401
+    metrics, the bank-only model), imported after the service listens. Jobs start their work after it."""
+    try:
+        prepare_optimizers()
+        import sklearn.ensemble  # noqa: F401
+        import sklearn.metrics  # noqa: F401
+        import sklearn.model_selection  # noqa: F401
+    except Exception:  # a job imports what it needs itself
+        logger.exception("the start-up imports failed")
+    finally:
+        done.set()
 
 
 def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastAPI:
@@ -103,9 +111,11 @@ def create_app(settings: BankSettings, table: PartyTable | None = None) -> FastA
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # torch's first optimizer imports (about a second) run in the background: the service listens without
         # waiting for them, and a session that starts sooner waits only for what is left of them.
-        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        warmed = threading.Event()
+        threading.Thread(target=_warm_up, args=(warmed,), name="warm-up", daemon=True).start()
         loaded = table or settings.load_table()
         app.state.core = BankCore(settings, loaded)
+        app.state.core.jobs.wait_for(warmed)
         try:
             yield
         finally:

@@ -53,12 +53,24 @@ class Job:
         )
 
 
+#: Longest a job waits for the service's start-up imports before it runs anyway (seconds).
+STARTUP_WAIT = 120.0
+
+
 class JobRunner:
     """Runs one job of each kind at a time, each in its own thread."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        #: set when a job may start its work: a service's start-up imports (``wait_for``) are done
+        self._ready = threading.Event()
+        self._ready.set()
+
+    def wait_for(self, ready: threading.Event) -> None:
+        """Jobs wait for ``ready`` before their work: two threads importing one package at once (a warm-up's
+        scikit-learn and a job's) can fail with an ImportError on a module the other is still importing."""
+        self._ready = ready
 
     def submit(self, kind: str, work: Callable[[Progress], dict[str, Any]]) -> Job:
         with self._lock:
@@ -77,6 +89,9 @@ class JobRunner:
         def run() -> None:
             job.state = "running"
             try:
+                if not self._ready.is_set():
+                    say("waiting for the service's start-up imports")
+                    self._ready.wait(STARTUP_WAIT)
                 job.result = work(say)
                 job.fraction = 1.0
                 job.state = "succeeded"
