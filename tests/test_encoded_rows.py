@@ -100,3 +100,15 @@ def test_a_trained_bottom_embeds_encoded_rows_batch_by_batch_as_all_at_once() ->
     bottom = SimpleNamespace(width=8, embed=lambda x: model(x).detach())
     whole = bottom.embed(rows.all())
     assert torch.allclose(ScoringBottom.embed_rows(bottom, rows, batch=97), whole, rtol=0, atol=1e-6)
+
+
+def test_a_chunk_of_nothing_but_missing_values_encodes_as_missing() -> None:
+    """A categorical column whose chunk (or chosen rows) holds only missing values has no distinct value there."""
+    encoder = TabularEncoder(FeatureSchema((), ("job", "code"))).fit(
+        pd.DataFrame({"job": ["a", "b"], "code": [1.0, 2.0]}))
+    frame = pd.DataFrame({"job": ["a", "b", None, None], "code": [1.0, np.nan, np.nan, np.nan]})
+    expected, fallbacks = _reference(encoder, frame)
+    for rows, counted in (encoder.encode_rows(frame, chunk=2), encoder.encode_rows(frame, np.array([2, 3]))):
+        assert torch.equal(rows.all(), torch.from_numpy(expected[-len(rows):]))
+    assert encoder.encode_rows(frame, chunk=2)[1] == fallbacks == {"job": {MISSING_CATEGORY: 2},
+                                                                   "code": {MISSING_CATEGORY: 3}}

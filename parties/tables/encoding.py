@@ -84,9 +84,12 @@ def _category_codes(values: pd.Series, categories: Sequence[str]) -> tuple[np.nd
         text = category_text(values).to_numpy(dtype=object)
         return index.get_indexer(text), text == ""
     each = _category_text_each(pd.Series(uniques, dtype=values.dtype)).to_numpy(dtype=object)
-    found, empty = index.get_indexer(each)[codes], (each == "")[codes]
+    # One more slot for position -1, a missing value's code (replaced below), so that a column of nothing but
+    # missing values (no distinct value) has one to read.
+    found = np.append(index.get_indexer(each), -1)[codes]
+    empty = np.append(each == "", True)[codes]
     missing = codes < 0
-    if missing.any():  # found and empty read position -1 there: replaced by the missing values' own text
+    if missing.any():  # replaced by the missing values' own text
         text = _category_text_each(values[missing]).to_numpy(dtype=object)
         found[missing], empty[missing] = index.get_indexer(text), text == ""
     return found, empty
