@@ -243,3 +243,34 @@ def test_a_table_is_the_same_from_csv_parquet_or_feather(tmp_path: Path) -> None
     feather.write_feather(twice, tmp_path / "twice.feather")
     with pytest.raises(DataError, match=r"twice.feather: columns named more than once: \['x'\]"):
         load_party_table(tmp_path / "twice.feather")
+
+
+def test_rare_arrow_types_load_as_text_and_a_feather_file_may_be_rewritten_while_held(tmp_path: Path) -> None:
+    """Views, nested values and dates past year 9999 load as text (cell by cell, as pandas holds them); a Feather
+    file is read whole, so rewriting it in place under a running service changes nothing the service holds."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyarrow import feather
+
+    table = pa.table({
+        "customer_id": pa.array(["a", "b", "c"], pa.string_view()),
+        "tags": pa.array([[1, 2], None, []], pa.list_(pa.int64())),
+        "until": pa.array([datetime.date(9999, 12, 31), None, datetime.date(2020, 1, 1)], pa.date32()),
+        "far": pa.array([datetime.datetime(9999, 12, 31, 23, 59), None, datetime.datetime(2020, 1, 1)], pa.timestamp("us")),
+        "count": pa.array([1, None, 3], pa.uint64()),
+    })
+    pq.write_table(table, tmp_path / "rare.parquet")
+    loaded = load_party_table(tmp_path / "rare.parquet", categorical=["tags", "until", "far", "count"])
+    assert list(loaded.ids) == ["a", "b", "c"]
+    assert loaded.features["tags"].astype(str).tolist() == ["[1 2]", "", "[]"]
+    assert loaded.features["until"].astype(str).tolist() == ["9999-12-31", "", "2020-01-01"]
+    assert loaded.features["far"].astype(str).tolist()[1:] == ["", "2020-01-01 00:00:00"]
+    assert loaded.features["count"].astype(str).tolist() == ["1", "", "3"]  # an integer with nulls stays one
+
+    big = pa.table({"customer_id": [f"C{i}" for i in range(50_000)], "x": list(range(50_000))})
+    feather.write_feather(big, tmp_path / "held.feather", compression="uncompressed")
+    held = load_party_table(tmp_path / "held.feather")
+    feather.write_feather(big.slice(0, 10), tmp_path / "held.feather", compression="uncompressed")  # in place
+    assert len(held) == 50_000 and held.normalized_ids[49_999] == b"C49999"

@@ -85,8 +85,8 @@ _row = file_row
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-#: Arrow's own file format (Feather V2, or V1). Read memory-mapped: an uncompressed file's text columns (IDs
-#: included) stay pages of the file, which the system may drop and read again; a compressed one is decompressed.
+#: Arrow's own file format (Feather V2, or V1). Read whole, not memory-mapped: a mapped file rewritten in place
+#: (as pandas and pyarrow write one) while the service holds it would kill the process with a bus error.
 ARROW_SUFFIXES = (".feather", ".arrow", ".ipc")
 COLUMNAR_SUFFIXES = PARQUET_SUFFIXES + ARROW_SUFFIXES
 
@@ -105,11 +105,11 @@ def read_table_text(path: Path) -> pd.DataFrame:
         if path.suffix.lower() in PARQUET_SUFFIXES or magic[:4] == b"PAR1":
             import pyarrow.parquet as pq
 
-            return _arrow_as_text(path, pq.read_table(path, memory_map=True))
+            return _arrow_as_text(path, pq.read_table(path))
         if path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
             from pyarrow import feather
 
-            return _arrow_as_text(path, feather.read_table(path, memory_map=True))
+            return _arrow_as_text(path, feather.read_table(path, memory_map=False))
         separator = sniff_separator(path)
         # Arrow's reader: text columns without a Python object per cell, and in a tenth of the time.
         return pd.read_csv(path, dtype=str, keep_default_na=False, sep=separator, engine="pyarrow")
@@ -135,30 +135,44 @@ def _ragged_row(path: Path, separator: str) -> str:
 
 
 def _arrow_as_text(path: Path, table: pa.Table) -> pd.DataFrame:
-    """A typed Arrow table as text columns: text stays Arrow's own (no copy; memory-mapped for Feather), any
-    other type is written out once per distinct value (``_cell_text``), never once per cell."""
+    """A typed Arrow table as text columns: text stays Arrow's own, numbers and booleans are written out once per
+    distinct value, any other type (dates, durations, nested values...) cell by cell as pandas holds it."""
     index = (table.schema.pandas_metadata or {}).get("index_columns", [])  # a pandas index is not a column
-    table = table.drop_columns([c for c in index if isinstance(c, str) and c in table.column_names])
+    if isinstance(index, list):
+        table = table.drop_columns([c for c in index if isinstance(c, str) and c in table.column_names])
     names = [str(c) for c in table.column_names]
     repeated = sorted({c for c in names if names.count(c) > 1})
     if repeated:
         raise DataError(f"{path}: columns named more than once: {repeated}")
-    text = pa.table({name: _column_text(table.column(i)) for i, name in enumerate(names)})
-    return text.to_pandas()
+    columns = {}
+    for i, name in enumerate(names):
+        try:
+            columns[name] = _column_text(table.column(i))
+        except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
+            raise DataError(f"{path}: column {name!r} cannot be read as text ({exc})") from exc
+    return pa.table(columns).to_pandas()
 
 
 def _column_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
-    if pa.types.is_dictionary(values.type):
-        values = values.cast(values.type.value_type)
-    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+    kind = values.type
+    if pa.types.is_dictionary(kind):
+        values, kind = values.cast(kind.value_type), kind.value_type
+    if pa.types.is_string_view(kind):
+        values, kind = values.cast(pa.large_string()), pa.large_string()
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return pc.fill_null(values, "")
-    uniques = pc.unique(values).drop_null()
-    written = pa.array([_cell_text(v) for v in uniques.to_pylist()], pa.string())
-    return pc.fill_null(pc.take(written, pc.index_in(values, uniques)), "")
+    if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or kind in (pa.float32(), pa.float64()):
+        uniques = pc.unique(values).drop_null()
+        written = pa.array([_cell_text(v) for v in uniques.to_pylist()], pa.string())
+        return pc.fill_null(pc.take(written, pc.index_in(values, uniques)), "")
+    # Rare types, as pandas holds them (a date past year 9999 included): a Python object per cell, as before.
+    return pa.chunked_array([pa.array(values.to_pandas().map(_cell_text).astype(object), pa.string())])
 
 
 def _cell_text(value: object) -> str:
-    """A typed cell as text: a float as Python writes it (shortest round trip; NaN is missing), else ``str``."""
+    """A cell as text: a float as Python writes it (shortest round trip), a missing value as "", else ``str``."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return ""
     if isinstance(value, float):
         return "" if math.isnan(value) else repr(value)
     return str(value)
