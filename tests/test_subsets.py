@@ -86,6 +86,8 @@ def test_past_its_row_cap_the_bank_only_model_fits_a_seeded_sample_and_says_so(
     capped, _, _ = _train(bank_table)
     assert capped.bank_only.trained_rows_ == 1000
     assert capped.held_out["bank"]["trained_on"] == {**trained, "sample": 1000}  # the metrics say it
+    # The encoder saw every training row: a rare category the sample missed is no "unseen" fallback at scoring.
+    assert capped.bank_only.encoder_.to_dict() == full.bank_only.encoder_.to_dict()
     frame = bank_table.features
     scores = capped.bank_only.predict(frame)[0]
     assert not np.array_equal(scores, full.bank_only.predict(frame)[0])  # a different model: fewer rows

@@ -54,8 +54,8 @@ class BankOnlyModel:
             rows: np.ndarray | None = None) -> BankOnlyModel:
         """Fit the encoder and the trees on ``features``' ``rows`` (default: all), ``targets`` being theirs.
 
-        Past ``max_rows`` rows, on a sample of that many (seeded, in the rows' order): ``trained_rows_``
-        says how many it saw.
+        Past ``max_rows`` rows the trees are fitted on a sample of that many (seeded, in the rows' order; the
+        encoder on every row): ``trained_rows_`` says how many they saw.
 
         scikit-learn's defaults, seeded: over 10,000 rows it stops adding trees when the loss on a seeded
         tenth of the training rows stalls. Stopping on the run's validation rows instead scored 0.004–0.016
@@ -64,19 +64,21 @@ class BankOnlyModel:
         rows = np.arange(len(features)) if rows is None else np.asarray(rows)
         if len(rows) != len(targets):
             raise ValueError(f"{len(rows)} rows but {len(targets)} targets")
+        # The encoder sees every training row (a category only a few customers have is known to it, not an
+        # "unseen" fallback at scoring); the trees see the sample.
+        self.encoder_ = TabularEncoder(schema).fit(features.iloc[rows])
         if len(rows) > self.max_rows:
             keep = np.sort(np.random.default_rng(self.seed).choice(len(rows), self.max_rows, replace=False))
             rows, targets = rows[keep], targets[torch.from_numpy(keep)]
         self.trained_rows_ = len(rows)
-        features = features.iloc[rows]
         y = targets.numpy()
         if self.task.kind != "regression" and len(np.unique(y)) < 2:
             raise DataError("the bank-only model needs training customers of at least two classes")
-        self.encoder_ = TabularEncoder(schema).fit(features)
         from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor  # here, not at the top: scikit-learn takes 1.4 s of a bank's start-up
 
         kind = HistGradientBoostingRegressor if self.task.kind == "regression" else HistGradientBoostingClassifier
-        self.estimator_ = kind(random_state=self.seed).fit(self.encoder_.transform(features), y)
+        encoded, _ = self.encoder_.encode_rows(features, rows)
+        self.estimator_ = kind(random_state=self.seed).fit(encoded.all().numpy(), y)
         return self
 
     def predict(self, features: pd.DataFrame) -> tuple[np.ndarray, Fallbacks]:
