@@ -23,7 +23,7 @@ from parties.tables.table import load_party_table
 from parties.transport.process import ServiceProcess
 
 #: The walkthrough's joint test ROC-AUC (README), which the subset models, trained after it, must not change.
-JOINT_AUC = 0.9342
+JOINT_AUC = 0.9344
 
 #: A walkthrough on all of bank-full and its scoring: study-sized.
 pytestmark = pytest.mark.slow
