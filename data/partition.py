@@ -18,8 +18,8 @@ import pandas as pd
 
 from parties.errors import ConfigError, DataError
 from parties.storage.files import atomic_write_text
+from parties.tables.reading import COLUMNAR_SUFFIXES, read_table_text, sniff_separator
 from parties.tables.schema import PartySchema, infer_kinds, sidecar_path
-from parties.tables.table import COLUMNAR_SUFFIXES, read_table_text, sniff_separator
 
 __all__ = [
     "BANK_COLUMNS",
