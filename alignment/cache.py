@@ -18,9 +18,14 @@ Contents are encrypted
     with ChaCha20-Poly1305 under the same key, 1 MiB at a time (a fresh
     random nonce per file, counted up per chunk; the name, the chunk's number
     and whether it is the last as associated data, so chunks cannot be
-    reordered, dropped or cut short): sealing or opening 10^7 IDs needs one
-    chunk of memory beside the set, not a second copy of it. A file that does
-    not open is ignored and rewritten. Files are written atomically, mode 0600.
+    reordered, dropped or cut short): sealing or opening needs one chunk of
+    memory, not a copy of the set. A file that does not open is ignored and
+    rewritten. Files are written atomically, mode 0600.
+
+Large sets stay on disk
+    From ``ON_DISK_FROM`` IDs the hashed set itself is a ``Spool`` (an unnamed
+    file in the cache folder), hashed, sealed and opened a slice at a time:
+    32 bytes an ID of disk, not of memory.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import curve
 from alignment.parallel import SlicePool
+from alignment.spool import Spool
 from parties.storage.files import atomic_write_bytes, atomic_writer, private_dir
 
-__all__ = ["KEY_FILE", "cache_key", "cache_path", "hashed_points"]
+__all__ = ["KEY_FILE", "ON_DISK_FROM", "cache_key", "cache_path", "hashed_points"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,30 +124,41 @@ def _aad(name: str, index: int, last: bool) -> bytes:
     return name.encode("ascii") + index.to_bytes(8, "little") + bytes([last])
 
 
-def _seal_to(path: Path, subkey: bytes, name: str, data: bytes | bytearray) -> None:
+def _seal_to(path: Path, subkey: bytes, name: str, data: bytes | bytearray | Spool) -> None:
     aead, base = ChaCha20Poly1305(subkey), secrets.token_bytes(NONCE_BYTES)
-    view, n = memoryview(data), _chunks(len(data))
+    n = _chunks(len(data))
     with atomic_writer(path) as f:
         f.write(base)
         for i in range(n):
-            f.write(aead.encrypt(_nonce(base, i), view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], _aad(name, i, i == n - 1)))
+            f.write(aead.encrypt(_nonce(base, i), data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], _aad(name, i, i == n - 1)))
 
 
-def _open_from(path: Path, subkey: bytes, name: str, total: int) -> bytearray:
-    """The points sealed in ``path`` (``InvalidTag`` if any chunk does not open as the one expected there)."""
-    aead, out, n = ChaCha20Poly1305(subkey), bytearray(total), _chunks(total)
+def _open_from(path: Path, subkey: bytes, name: str, total: int, into: Spool | None) -> bytearray | Spool:
+    """The points sealed in ``path`` (``InvalidTag`` if any chunk does not open as the one expected there), in
+    memory or appended to ``into``."""
+    aead, n = ChaCha20Poly1305(subkey), _chunks(total)
+    out = bytearray(total if into is None else 0)
     with path.open("rb") as f:
         base = f.read(NONCE_BYTES)
         for i in range(n):
             start = i * CHUNK_BYTES
             size = min(CHUNK_BYTES, total - start)
-            out[start : start + size] = aead.decrypt(_nonce(base, i), f.read(size + TAG_BYTES), _aad(name, i, i == n - 1))
-    return out
+            chunk = aead.decrypt(_nonce(base, i), f.read(size + TAG_BYTES), _aad(name, i, i == n - 1))
+            if into is None:
+                out[start : start + size] = chunk
+            else:
+                into.write(chunk)
+    return out if into is None else into
 
 
 def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) -> Path:
     """Where the hashed set of ``ids`` under ``dst`` lives: the name depends on the key and the DST."""
     return Path(cache_dir) / f"{_name(_subkey(key, dst), ids)}.u25519"
+
+
+#: From this many IDs, a party's hashed set is kept on disk (a ``Spool``, 32 bytes an ID), not in memory: past
+#: what shuffling it on disk holds for a while (``alignment.spool.permuted_on_disk``: 4 bytes an ID and 20 MB).
+ON_DISK_FROM = 1 << 22
 
 
 def hashed_points(
@@ -150,29 +167,42 @@ def hashed_points(
     cache_dir: Path | None,
     dst: bytes = curve.DEFAULT_DST,
     key: bytes | None = None,
-) -> bytes:
+) -> bytes | bytearray | Spool:
     """``H(id)`` for every normalised ID under ``dst``, from ``cache_dir`` when it holds them.
 
-    ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``).
+    ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``). From ``ON_DISK_FROM``
+    IDs the points are a ``Spool`` in ``cache_dir`` (None: the system's temporary folder), read by slice like
+    the bytes they stand for; its file is gone when the last holder lets it go (or closes it).
     """
-    if cache_dir is None:
-        return pool.hash_to_curve(ids, dst)
-    subkey = _subkey(key if key is not None else cache_key(cache_dir), dst)
-    name = _name(subkey, ids)
-    path = Path(cache_dir) / f"{name}.u25519"
-    total = len(ids) * curve.POINT_BYTES
+    if cache_dir is not None:
+        private_dir(Path(cache_dir))  # where the spool goes, beside the cache
+    spool = Spool(curve.POINT_BYTES, cache_dir) if len(ids) >= ON_DISK_FROM else None
     try:
-        if path.stat().st_size != _sealed_size(total):
-            logger.warning("ignoring a cached hashed set of another size or format; hashing again")
-        else:
-            data = _open_from(path, subkey, name, total)
-            logger.info("hashed ID set read from the cache")
-            return data
-    except FileNotFoundError:
-        pass
-    except InvalidTag:
-        logger.warning("ignoring a cached hashed set that does not open (another key, or an older format); "
-                       "hashing again")
-    data = pool.hash_to_curve(ids, dst)
-    _seal_to(path, subkey, name, data)
-    return data
+        if cache_dir is None:
+            return pool.hash_to_curve(ids, dst, into=spool)
+        subkey = _subkey(key if key is not None else cache_key(cache_dir), dst)
+        name = _name(subkey, ids)
+        path = Path(cache_dir) / f"{name}.u25519"
+        total = len(ids) * curve.POINT_BYTES
+        try:
+            if path.stat().st_size != _sealed_size(total):
+                logger.warning("ignoring a cached hashed set of another size or format; hashing again")
+            else:
+                data = _open_from(path, subkey, name, total, spool)
+                logger.info("hashed ID set read from the cache")
+                return data
+        except FileNotFoundError:
+            pass
+        except InvalidTag:
+            logger.warning("ignoring a cached hashed set that does not open (another key, or an older format); "
+                           "hashing again")
+            if spool is not None:  # what opened before the chunk that did not
+                spool.close()
+                spool = Spool(curve.POINT_BYTES, cache_dir)
+        data = pool.hash_to_curve(ids, dst, into=spool)
+        _seal_to(path, subkey, name, data)
+        return data
+    except BaseException:
+        if spool is not None:
+            spool.close()
+        raise

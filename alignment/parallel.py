@@ -158,12 +158,14 @@ class SlicePool:
     def _parallel(self, n: int) -> bool:
         return self.parallel and n >= INLINE_BELOW
 
-    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
-        """``curve.hash_to_curve`` over all workers."""
+    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST, *,
+                      into: Spool | None = None) -> bytes | Spool:
+        """``curve.hash_to_curve`` over all workers; ``into``: write the points there (and return it)."""
         if not self._parallel(len(ids)):
-            return curve.hash_to_curve(ids, dst)
-        return _gather(self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None),  # type: ignore[arg-type]
-                       len(ids) * curve.POINT_BYTES)
+            parts: Iterator[bytes] = iter([curve.hash_to_curve(ids, dst)])
+        else:
+            parts = self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None)  # type: ignore[arg-type]
+        return _gather(parts, len(ids) * curve.POINT_BYTES, into)
 
     def blind(self, key: bytes, points: bytes | Spool | Permuted, out_bytes: int = curve.POINT_BYTES,
               cancel: threading.Event | None = None, *, validate: bool = True,

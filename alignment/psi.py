@@ -49,7 +49,7 @@ import numpy as np
 
 from alignment import curve
 from alignment.parallel import SlicePool
-from alignment.spool import ChunkedReceiver, Permuted, Spool, chunk_of, intersect, n_chunks
+from alignment.spool import ChunkedReceiver, Spool, chunk_of, in_order, intersect, n_chunks
 from parties.errors import (
     BadMessage,
     IdTypeMismatch,
@@ -167,7 +167,7 @@ def _wait(future: Future[bytes], timeout: float, what: str) -> bytes:
 class PsiResponder:
     """The responder's side of one session: a fresh key and order, the rounds, the committed rows."""
 
-    own_points: bytes
+    own_points: bytes | bytearray | Spool  # the own hashed set (``alignment.cache.hashed_points``)
     peer_count: int
     pool: SlicePool
     threads: ThreadPoolExecutor
@@ -187,20 +187,26 @@ class PsiResponder:
         self.cancelled = threading.Event()
         self.own_count = len(self.own_points) // curve.POINT_BYTES
         self._order = fresh_order(self.own_count)
-        # Every set but the own hashed points is on disk: the session's memory is 40 bytes per own ID until its own
-        # set is blinded, 8 bytes after.
+        # Every blinded set is on disk, and so are large hashed sets: the session's memory is 8 bytes per own ID (its
+        # order), and 32 more until its own set is blinded when the hashed points are in memory.
         self._spools = [Spool(curve.POINT_BYTES, self.spool_dir), Spool(curve.POINT_BYTES, self.spool_dir),
                         Spool(TRUNCATED_BYTES, self.spool_dir)]
         self._peer_blinded = ChunkedReceiver("blinded", self.peer_count, curve.POINT_BYTES, self.chunk_items,
                                              self._spools[1])
-        shuffled = Permuted(self.own_points, self._order, curve.POINT_BYTES)
-        self._own_blinded: Future[Spool] = self.threads.submit(
-            self.pool.blind, self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
-            into=self._spools[0])
+        self._own_blinded: Future[Spool] = self.threads.submit(self._blind_own)
         # Blinded (on disk), the hashed points are no longer needed: not held for the rest of the session.
         self._own_blinded.add_done_callback(lambda _done: setattr(self, "own_points", b""))
         self._peer_double: Future[Spool] | None = None
         self._start_reblinding()
+
+    def _blind_own(self) -> Spool:
+        shuffled = in_order(self.own_points, self._order, curve.POINT_BYTES, self.spool_dir)
+        try:
+            return self.pool.blind(self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
+                                   into=self._spools[0])
+        finally:
+            if isinstance(shuffled, Spool):
+                shuffled.close()
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -285,7 +291,7 @@ def _receive(what: str, count: int, width: int, chunk_items: int, get: Callable[
 
 def run_initiator(
     peer: PsiPeer,
-    own_points: bytes,
+    own_points: bytes | bytearray | Spool,
     pool: SlicePool,
     *,
     chunk_items: int = CHUNK_ITEMS,
@@ -300,7 +306,8 @@ def run_initiator(
     """Run the initiator's side of one session against ``peer``; return (session id, result).
 
     ``hand_over``: ``own_points`` is the session's to free: a ``bytearray`` is emptied once the own set is
-    blinded, so its 32 bytes an ID are not held through the rest of the session (the intersection's peak).
+    blinded, so its 32 bytes an ID are not held through the rest of the session (the intersection's peak); a
+    ``Spool`` (a large set, on disk) is closed once shuffled into the session's order.
 
     ``admit(info)``: the party's own limits on what the peer announced (``alignment.partnership``), called
     before anything is blinded; what it raises aborts the session.
@@ -327,9 +334,13 @@ def run_initiator(
         if admit is not None:
             admit(info)
         say("blinding own IDs")
-        shuffled = Permuted(own_points, order, curve.POINT_BYTES)
+        shuffled = in_order(own_points, order, curve.POINT_BYTES, spool_dir)
+        if hand_over and isinstance(own_points, Spool):  # shuffled into a copy on disk: the hashed set is done with
+            own_points.close()
         own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # our own hashes: nothing to check
                                  into=spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
+        if isinstance(shuffled, Spool):
+            shuffled.close()
         del shuffled
         if hand_over and isinstance(own_points, bytearray):  # (bytes, as small sets are hashed into, cannot be)
             own_points.clear()

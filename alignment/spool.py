@@ -1,16 +1,16 @@
-"""Fixed-width records on disk instead of in memory: the blinded sets of a PSI session.
+"""Fixed-width records on disk instead of in memory: the hashed and blinded sets of a PSI session.
 
-A session holds up to five sets of 12 to 32 bytes per ID; at 10^7 customers a set is hundreds of
-megabytes. Only the party's own hashed points (randomly accessed, to shuffle them) and the two
-double-blinded sets (intersected) need to be in memory; the rest are written once, in order, and
-then read in chunks to be sent or blinded again. A ``Spool`` is such a set: an unnamed file (gone
-when it is closed or the process ends, so nothing is left behind by a crash), written in order and
-read by slice, like ``bytes``. What a spool holds is blinded under a key of this session only.
+A session holds up to six sets of 12 to 32 bytes per ID; at 10^7 customers a set is hundreds of
+megabytes, at 10^8 gigabytes. A ``Spool`` is such a set: an unnamed file (gone when it is closed or the
+process ends, so nothing is left behind by a crash), written in order and read by slice, like ``bytes``.
+What a spool holds is hashed or blinded under a key of the party or of this session only.
 
-``Permuted`` is the other half of the trick: the own set in the session's random order, gathered a
-slice at a time when a worker needs it, never copied whole. ``ChunkedReceiver`` fills a set (in memory
-or a spool) from the numbered chunks a peer sends; ``intersect_on_disk`` intersects two sets too large
-for memory.
+The own set is blinded in the session's random order. ``Permuted`` gathers it a slice at a time from
+hashed points in memory; ``permuted_on_disk`` shuffles hashed points kept on disk (large sets: see
+``alignment.cache``) into a new spool in two passes, so neither the set nor a copy of it is ever in
+memory (``in_order`` picks). ``ChunkedReceiver`` fills a set (in memory or a spool) from the numbered
+chunks a peer sends; ``intersect_on_disk`` intersects two sets too large for memory. Both on-disk passes
+go through ``Partitioned``: a set cut into buckets, one run at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from contextlib import ExitStack, closing
 from pathlib import Path
@@ -26,8 +27,20 @@ import numpy as np
 
 from parties.errors import BadMessage, OutOfOrder
 
-__all__ = ["ChunkedReceiver", "Partitioned", "Permuted", "Spool", "chunk_of", "intersect", "intersect_on_disk",
-           "n_chunks"]
+__all__ = [
+    "ON_DISK_FROM",
+    "SHUFFLE_RECORDS",
+    "ChunkedReceiver",
+    "Partitioned",
+    "Permuted",
+    "Spool",
+    "chunk_of",
+    "in_order",
+    "intersect",
+    "intersect_on_disk",
+    "n_chunks",
+    "permuted_on_disk",
+]
 
 
 class Spool:
@@ -103,39 +116,42 @@ BUCKETS = 256  # by a value's first byte: blinded values are uniform, so each bu
 
 
 class Partitioned:
-    """A set of ``width``-byte values (each with its position) split by first byte into ``BUCKETS`` buckets, on disk.
+    """A set of ``width``-byte values (each with its position) split into ``buckets`` buckets, on disk.
 
-    One pass: each run of ``RUN_RECORDS`` values is ordered by bucket and written as one block; a bucket is
+    ``bucket_of(values, positions)`` names each value's bucket (by default its first byte: ``BUCKETS``). One
+    pass: each run of ``run_records`` values (``RUN_RECORDS``) is ordered by bucket and written as one block; a bucket is
     then its segment of every run. Memory: one run, and one bucket when it is read.
     """
 
-    def __init__(self, values: bytes | bytearray | Spool, width: int, folder: Path | None = None) -> None:
-        self.width, self.count = width, len(values) // width
+    def __init__(self, values: bytes | bytearray | Spool, width: int, folder: Path | None = None,
+                 buckets: int = BUCKETS,
+                 bucket_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 run_records: int | None = None) -> None:
+        self.width, self.count, self.buckets = width, len(values) // width, buckets
         self._record = np.dtype([("value", f"V{width}"), ("position", "<i8")])
         self._spool = Spool(self._record.itemsize, folder)
         self._bounds: list[np.ndarray] = []  # per run: where each bucket starts in the spool (records), and ends
-        for start in range(0, self.count, RUN_RECORDS):
-            stop = min(self.count, start + RUN_RECORDS)
+        step = run_records or RUN_RECORDS
+        for start in range(0, self.count, step):
+            stop = min(self.count, start + step)
             raw = np.frombuffer(values[start * width : stop * width], dtype=np.uint8).reshape(-1, width)
-            order = np.argsort(raw[:, 0], kind="stable")
+            positions = np.arange(start, stop, dtype=np.int64)
+            keys = raw[:, 0] if bucket_of is None else bucket_of(raw, positions)
+            order = np.argsort(keys, kind="stable")
             run = np.empty(stop - start, dtype=self._record)
             run["value"] = raw[order].reshape(-1).view(f"V{width}")
-            run["position"] = order + start
+            run["position"] = positions[order]
             offset = len(self._spool) // self._record.itemsize
-            self._bounds.append(offset + np.searchsorted(raw[order, 0], np.arange(BUCKETS + 1)))
+            self._bounds.append(offset + np.searchsorted(keys[order], np.arange(buckets + 1)))
             self._spool.write(run.tobytes())
 
-    def bucket(self, b: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-        """Bucket ``b``: its values (fixed-width bytes) and their positions in the set.
+    def size(self, b: int) -> int:
+        """Values in bucket ``b``."""
+        return sum(int(bounds[b + 1] - bounds[b]) for bounds in self._bounds)
 
-        Blinded values are uniform, so a bucket holds about 1/256 of its set; one far larger was made so (by a
-        peer sending chosen or repeated values) and is refused before it is read (``ValueError``).
-        """
+    def bucket(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket ``b``: its values (fixed-width bytes) and their positions in the set."""
         size = self._record.itemsize
-        held = sum(int(bounds[b + 1] - bounds[b]) for bounds in self._bounds)
-        if held > 2 * self.count // BUCKETS + 4096:
-            raise ValueError(f"the {what} double-blinded set is not uniform: {held:,} of its {self.count:,} values "
-                             f"share a first byte")
         parts = [self._spool[int(bounds[b]) * size : int(bounds[b + 1]) * size] for bounds in self._bounds]
         records = np.frombuffer(b"".join(parts), dtype=self._record)
         return records["value"].view(f"S{self.width}"), records["position"]
@@ -144,19 +160,61 @@ class Partitioned:
         self._spool.close()
 
 
+#: Records per run, and places per bucket, of the on-disk shuffle: a run and a bucket are 10 MB of 32-byte points.
+SHUFFLE_RECORDS = 1 << 18
+
+
+def permuted_on_disk(points: bytes | bytearray | Spool, order: np.ndarray, width: int,
+                     folder: Path | None = None) -> Spool:
+    """``Permuted(points, order, width)`` written to a spool, with neither the set nor a copy of it in memory:
+    records are partitioned by the place they go to (``SHUFFLE_RECORDS`` places a bucket), then each bucket is
+    put in order and appended. Memory: 4 bytes a record (its place), a run and a bucket."""
+    count = len(order)
+    place = np.empty(count, dtype=np.int32 if count < 1 << 31 else np.int64)
+    place[order] = np.arange(count, dtype=place.dtype)
+    buckets = max(1, -(-count // SHUFFLE_RECORDS))
+    out = Spool(width, folder)
+    try:
+        with closing(Partitioned(points, width, folder, buckets,
+                                 lambda _values, positions: place[positions] // SHUFFLE_RECORDS,
+                                 run_records=SHUFFLE_RECORDS)) as parts:
+            for b in range(buckets):
+                values, positions = parts.bucket(b)
+                out.write(values[np.argsort(place[positions])].tobytes())
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def in_order(points: bytes | bytearray | Spool, order: np.ndarray, width: int,
+             folder: Path | None = None) -> Permuted | Spool:
+    """``points`` in ``order``, read by slice: gathered from memory, or, for points kept on disk (a ``Spool``),
+    a shuffled copy on disk (``permuted_on_disk``; the caller closes it)."""
+    if isinstance(points, Spool):
+        return permuted_on_disk(points, order, width, folder)
+    return Permuted(points, order, width)
+
+
 def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | Spool, width: int,
                       folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``psi.intersect`` for sets larger than memory: each set partitioned on disk, then intersected bucket by bucket.
 
     Buckets split by first byte and each sorted by value, so the pairs come out in the same order as the
     in-memory intersection's: by value. A value repeated within a set is refused (``ValueError`` naming the set).
+    Blinded values are uniform, so a bucket holds about 1/256 of its set; one far larger was made so (by a peer
+    sending chosen or repeated values) and is refused before it is read (``ValueError``).
     """
     with ExitStack() as stack:
         own_parts = stack.enter_context(closing(Partitioned(own, width, folder)))
         peer_parts = stack.enter_context(closing(Partitioned(peer, width, folder)))
         own_rows, peer_rows = [], []
         for b in range(BUCKETS):
-            (own_values, own_pos), (peer_values, peer_pos) = own_parts.bucket(b, "own"), peer_parts.bucket(b, "peer")
+            for what, parts in (("own", own_parts), ("peer", peer_parts)):
+                if (held := parts.size(b)) > 2 * parts.count // BUCKETS + 4096:
+                    raise ValueError(f"the {what} double-blinded set is not uniform: {held:,} of its {parts.count:,} "
+                                     f"values share a first byte")
+            (own_values, own_pos), (peer_values, peer_pos) = own_parts.bucket(b), peer_parts.bucket(b)
             for what, values in (("own", own_values), ("peer", peer_values)):
                 if len(np.unique(values)) != len(values):
                     raise ValueError(f"the {what} double-blinded set repeats a value")

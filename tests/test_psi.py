@@ -6,7 +6,7 @@ import os
 import random
 import time
 import tracemalloc
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -242,3 +242,47 @@ def test_a_responder_lets_go_of_its_hashed_points_once_its_own_set_is_blinded(po
     assert responder.own_points == b"" and responder.own_count == 1500
     assert sum(len(c) for c in chunks) == len(points) and responder.blinded_chunk(0, timeout=60) == first
     peer.abort(info.session_id)
+
+
+def _on_disk(points: bytes) -> spool.Spool:
+    kept = spool.Spool(curve.POINT_BYTES)
+    kept.write(points)
+    return kept
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 97, 1000])
+def test_a_set_on_disk_is_shuffled_on_disk_into_exactly_the_gathered_order(monkeypatch, tmp_path, count) -> None:
+    """``permuted_on_disk`` (two passes over runs of 7 records: many runs, many buckets, a short last one) writes
+    the same bytes ``Permuted`` gathers in memory, for random orders, and leaves no file behind."""
+    monkeypatch.setattr(spool, "SHUFFLE_RECORDS", 7)
+    rng = np.random.default_rng(count)
+    points = rng.bytes(curve.POINT_BYTES * count)
+    order = rng.permutation(count)
+    shuffled = spool.in_order(_on_disk(points), order, curve.POINT_BYTES, tmp_path)
+    assert isinstance(shuffled, spool.Spool)
+    assert shuffled[:] == spool.Permuted(points, order, curve.POINT_BYTES)[:]
+    assert len(shuffled[:]) == len(points)
+    shuffled.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_hashed_points_on_disk_align_the_same_customers_and_a_handed_over_set_is_closed(
+    monkeypatch, pool, threads,
+) -> None:
+    """Both parties' hashed sets as spools (large sets, ``alignment.cache.ON_DISK_FROM``): the same customers, in
+    one order on both sides, as with the sets in memory; the bank's handed-over spool is closed once shuffled."""
+    monkeypatch.setattr(spool, "SHUFFLE_RECORDS", 64)
+    bank_ids, partner_ids = COMMON[:40] + _random_ids(random.Random(1), 300), _random_ids(random.Random(2), 200) + COMMON
+    bank_points = curve.hash_to_curve([curve.normalize_id(i) for i in bank_ids])
+    partner_points = curve.hash_to_curve([curve.normalize_id(i) for i in partner_ids])
+    _, in_memory = run_initiator(LocalPsiPeer(partner_points, pool, threads), bank_points, pool, chunk_items=50)
+    handed = _on_disk(bank_points)
+    peer = LocalPsiPeer(_on_disk(partner_points), pool, threads)
+    session_id, on_disk = run_initiator(peer, handed, pool, chunk_items=50, hand_over=True)
+    peer.commit(session_id, "alignment", on_disk.peer_positions)
+    assert peer.committed is not None
+    bank_side = [bank_ids[i] for i in on_disk.rows]
+    assert bank_side == [partner_ids[i] for i in peer.committed[1]]
+    assert sorted(bank_side) == sorted(bank_ids[i] for i in in_memory.rows) == sorted(COMMON[:40])
+    with pytest.raises(CancelledError):
+        handed[:32]

@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from alignment import cache, curve
 from alignment.parallel import WorkerPool
+from alignment.spool import Spool
 
 IDS = [curve.normalize_id(f"ACC-{i:04d}") for i in range(40)]
 DST = curve.psi_dst("bank|partner-a")
@@ -24,9 +25,10 @@ class CountingPool(WorkerPool):
         super().__init__(workers=1)
         self.calls = 0
 
-    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST) -> bytes:
+    def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST, *,
+                      into: Spool | None = None) -> bytes | Spool:
         self.calls += 1
-        return super().hash_to_curve(ids, dst)
+        return super().hash_to_curve(ids, dst, into=into)
 
 
 @pytest.fixture()
@@ -130,3 +132,28 @@ def test_a_file_is_sealed_chunk_by_chunk_and_opens_only_whole_and_in_order(
     assert cache.hashed_points(IDS, pool, tmp_path, DST) == honest
     assert pool.calls == 2  # hashed again, not read
     monkeypatch.undo()
+
+
+def test_a_large_set_is_hashed_sealed_and_opened_on_disk(
+    tmp_path: Path, pool: CountingPool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From ``ON_DISK_FROM`` IDs the hashed set is a spool (in unnamed files: nothing is left in the folder but the
+    key and the sealed cache): the same points hashed, read back from the cache, and hashed again when a chunk of
+    the cache does not open."""
+    monkeypatch.setattr(cache, "ON_DISK_FROM", 10)
+    monkeypatch.setattr(cache, "CHUNK_BYTES", 3 * curve.POINT_BYTES)
+    honest = curve.hash_to_curve(IDS, DST)
+    hashed = cache.hashed_points(IDS, WorkerPool(1), tmp_path / "not yet made", DST)[:]  # made for the spool
+    assert hashed == honest
+    hashed = cache.hashed_points(IDS, pool, tmp_path, DST)
+    assert isinstance(hashed, Spool) and hashed[:] == honest
+    read = cache.hashed_points(IDS, pool, tmp_path, DST)
+    assert isinstance(read, Spool) and read[:] == honest and pool.calls == 1
+    path = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted([cache.KEY_FILE, path.name])
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 1  # the last chunk: every chunk before it opens, then it does not
+    path.write_bytes(bytes(blob))
+    again = cache.hashed_points(IDS, pool, tmp_path, DST)
+    assert isinstance(again, Spool) and again[:] == honest and pool.calls == 2
+    assert cache.hashed_points(IDS[:9], pool, None, DST) == curve.hash_to_curve(IDS[:9], DST)  # below: in memory
