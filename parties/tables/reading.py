@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -16,7 +18,8 @@ import pyarrow.compute as pc
 
 from parties.errors import DataError
 
-__all__ = ["ARROW_SUFFIXES", "COLUMNAR_SUFFIXES", "PARQUET_SUFFIXES", "read_table_text", "sniff_separator"]
+__all__ = ["ARROW_SUFFIXES", "COLUMNAR_SUFFIXES", "PARQUET_SUFFIXES", "TextColumns", "read_table_text",
+           "sniff_separator"]
 
 
 def sniff_separator(path: Path) -> str:
@@ -39,28 +42,97 @@ def read_table_text(path: Path) -> pd.DataFrame:
     Text first, types second: the party's schema decides what a column is, not
     the reader's guess, so a table means the same whichever format it came in.
     """
-    path = Path(path)
-    separator = ","
+    return TextColumns(path).frame()
+
+
+class TextColumns:
+    """A file's columns as ``read_table_text`` reads them, one column at a time where the format allows it.
+
+    A Parquet or Feather (Arrow IPC) file is read column by column, so loading a table holds one column's text,
+    not the table's; a CSV file (and an old Feather V1 file) is read whole, once. ``columns``: the names, in the
+    file's order; ``source[name]``: that column as text; ``len(source)``: the rows.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path = Path(path)
+        self._whole: pd.DataFrame | None = None
+        self._read: Callable[[str], pa.ChunkedArray] | None = None
+        self._rows: int | None = None
+        with _readable(path):
+            with path.open("rb") as f:
+                magic = f.read(6)
+            if path.suffix.lower() in PARQUET_SUFFIXES or magic[:4] == b"PAR1":
+                import pyarrow.parquet as pq
+
+                parquet = pq.ParquetFile(path)
+                self._open(parquet.schema_arrow, lambda name: parquet.read(columns=[name]).column(0))
+                self._rows = parquet.metadata.num_rows
+            elif path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
+                from pyarrow import feather
+
+                try:
+                    schema = pa.ipc.open_file(pa.OSFile(str(path))).schema
+                except pa.ArrowInvalid:  # Feather V1: read whole, then made text column by column
+                    table = feather.read_table(path, memory_map=False)
+                    self._open(table.schema, table.column)
+                    self._rows = table.num_rows
+                else:
+                    self._open(schema, lambda name: feather.read_table(
+                        path, columns=[schema.get_field_index(name)], memory_map=False).column(0))
+            else:
+                separator = sniff_separator(path)
+                try:
+                    # Arrow's reader: text columns without a Python object per cell, and in a tenth of the time.
+                    self._whole = pd.read_csv(path, dtype=str, keep_default_na=False, sep=separator, engine="pyarrow")
+                except pd.errors.ParserError as exc:
+                    if "CSV parse error" in str(exc):  # Arrow quotes the row, which may hold an ID: say where it is
+                        raise DataError(f"{path}: not a readable CSV file ({_ragged_row(path, separator)})") from None
+                    raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
+        self.columns: list[str] = [str(c) for c in self._whole.columns] if self._whole is not None else self._names
+
+    def _open(self, schema: pa.Schema, read: Callable[[str], pa.ChunkedArray]) -> None:
+        index = (schema.pandas_metadata or {}).get("index_columns", [])  # a pandas index is not a column
+        hidden = {c for c in index if isinstance(c, str)} if isinstance(index, list) else set()
+        names = [str(c) for c in schema.names if c not in hidden]
+        repeated = sorted({c for c in names if names.count(c) > 1})
+        if repeated:
+            raise DataError(f"{self.path}: columns named more than once: {repeated}")
+        self._names, self._read = names, read
+
+    def __len__(self) -> int:
+        if self._whole is not None:
+            return len(self._whole)
+        if self._rows is None:
+            self._rows = len(self[self.columns[0]]) if self.columns else 0
+        return self._rows
+
+    def __getitem__(self, name: str) -> pd.Series:
+        if self._whole is not None:
+            return self._whole[name]
+        if name not in self.columns or self._read is None:
+            raise KeyError(name)
+        with _readable(self.path):
+            values = self._read(name)
+        try:
+            text = _column_text(values)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
+            raise DataError(f"{self.path}: column {name!r} cannot be read as text ({exc})") from exc
+        return pa.table({name: text}).to_pandas()[name]
+
+    def frame(self) -> pd.DataFrame:
+        """Every column at once."""
+        if self._whole is not None:
+            return self._whole
+        return pd.DataFrame({name: self[name] for name in self.columns}, columns=self.columns)
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """What a reader raises about the file, as a ``DataError`` naming it."""
     try:
-        with path.open("rb") as f:
-            magic = f.read(6)
-        if path.suffix.lower() in PARQUET_SUFFIXES or magic[:4] == b"PAR1":
-            import pyarrow.parquet as pq
-
-            return _arrow_as_text(path, pq.read_table(path))
-        if path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
-            from pyarrow import feather
-
-            return _arrow_as_text(path, feather.read_table(path, memory_map=False))
-        separator = sniff_separator(path)
-        # Arrow's reader: text columns without a Python object per cell, and in a tenth of the time.
-        return pd.read_csv(path, dtype=str, keep_default_na=False, sep=separator, engine="pyarrow")
+        yield
     except pd.errors.EmptyDataError as exc:
         raise DataError(f"{path}: the file is empty") from exc
-    except pd.errors.ParserError as exc:
-        if "CSV parse error" in str(exc):  # Arrow quotes the row, which may hold an ID: say where it is instead
-            raise DataError(f"{path}: not a readable CSV file ({_ragged_row(path, separator)})") from None
-        raise DataError(f"{path}: not a readable CSV or Parquet file ({exc})") from exc
     except (UnicodeDecodeError, ValueError, OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable CSV, Parquet or Feather file ({exc})") from exc
 
@@ -74,25 +146,6 @@ def _ragged_row(path: Path, separator: str) -> str:
             if row and len(row) != width:
                 return f"row {number} has {len(row)} field{'' if len(row) == 1 else 's'}; the header has {width}"
     return "a row's fields do not match the header"
-
-
-def _arrow_as_text(path: Path, table: pa.Table) -> pd.DataFrame:
-    """A typed Arrow table as text columns: text stays Arrow's own, numbers and booleans are written out once per
-    distinct value, any other type (dates, durations, nested values...) cell by cell as pandas holds it."""
-    index = (table.schema.pandas_metadata or {}).get("index_columns", [])  # a pandas index is not a column
-    if isinstance(index, list):
-        table = table.drop_columns([c for c in index if isinstance(c, str) and c in table.column_names])
-    names = [str(c) for c in table.column_names]
-    repeated = sorted({c for c in names if names.count(c) > 1})
-    if repeated:
-        raise DataError(f"{path}: columns named more than once: {repeated}")
-    columns = {}
-    for i, name in enumerate(names):
-        try:
-            columns[name] = _column_text(table.column(i))
-        except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
-            raise DataError(f"{path}: column {name!r} cannot be read as text ({exc})") from exc
-    return pa.table(columns).to_pandas()
 
 
 def _column_text(values: pa.ChunkedArray) -> pa.ChunkedArray:

@@ -20,11 +20,11 @@ from safetensors.numpy import save as save_tensors
 
 from parties.errors import DataError
 from parties.learning.config import TaskKind
-from parties.memory import release
+from parties.memory import MappedColumns, release
 from parties.storage.files import atomic_write_bytes
 from parties.tables.ids import IdColumn, IdError, IdType, canonical_ids, id_formats, infer_id_type
 from parties.tables.labels import check_labels, label_text
-from parties.tables.reading import read_table_text, sniff_separator
+from parties.tables.reading import TextColumns, read_table_text, sniff_separator
 from parties.tables.schema import (
     DEFAULT_ID_COLUMN,
     DEFAULT_LABEL,
@@ -89,6 +89,7 @@ def load_party_table(
     missing_numbers: bool = True,
     id_type: IdType | None = None,
     task: TaskKind | None = None,
+    spill_dir: Path | None = None,
 ) -> PartyTable:
     """Load and validate a party's table (CSV, Parquet or Feather).
 
@@ -101,17 +102,20 @@ def load_party_table(
     inferred; ``categorical``/``numeric`` override either. ``missing_numbers``: an
     empty numeric cell is kept as missing (the encoder imputes the training
     mean, and counts it); ``False`` refuses it.
+
+    The feature columns are kept in a private unnamed file in ``spill_dir`` (None: the system's temporary
+    folder), mapped read-only: numbers and category codes are the page cache's, not the process's memory.
     """
     try:
         return _load(Path(path), id_column, label_column, schema_path, labelled, categorical, numeric, schema,
-                     missing_numbers, id_type, task)
+                     missing_numbers, id_type, task, spill_dir)
     finally:
         release()  # the file's text and every step's temporaries: several times the table at 10^6 rows
 
 
 def _load(path: Path, id_column: str | None, label_column: str | None, schema_path: Path | None, labelled: bool,
           categorical: Sequence[str], numeric: Sequence[str], schema: FeatureSchema | None, missing_numbers: bool,
-          id_type: IdType | None, task: TaskKind | None) -> PartyTable:
+          id_type: IdType | None, task: TaskKind | None, spill_dir: Path | None) -> PartyTable:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     sidecar_file = Path(schema_path) if schema_path is not None else sidecar_path(path)
@@ -121,8 +125,8 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
     id_column = id_column or (declared.id_column if declared else DEFAULT_ID_COLUMN)
     if labelled and label_column is None:
         label_column = declared.label_column if declared and declared.label_column else DEFAULT_LABEL
-    frame = read_table_text(path)
-    if frame.empty:
+    frame = TextColumns(path)  # a Parquet or Feather file column by column: one column's text at a time
+    if not frame.columns or len(frame) == 0:
         raise DataError(f"{path}: the file has a header but no rows")
     columns = list(frame.columns)
     for role, col in (("ID", id_column), ("label", label_column)):
@@ -179,30 +183,12 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         absent = [c for c in schema.columns if c not in frame.columns]
         if absent:
             raise DataError(f"{path}: the model needs the columns {absent} (columns: {', '.join(columns)})")
-    features = frame[list(schema.columns)].copy()
-    for col in schema.numeric:
-        values = numbers(col)
-        missing = values.isna().to_numpy()
-        empty = np.zeros(len(missing), dtype=bool)  # only a value that is no number can be empty
-        empty[missing] = (features[col][missing].str.strip() == "").to_numpy()
-        kinds = {"empty": empty & ~missing_numbers, "text": missing & ~empty,
-                 "infinite": np.isinf(values.to_numpy(dtype=np.float64, na_value=np.nan))}
-        bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
-        if bad:
-            problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
-                                 for kind, mask in bad.items())
-            raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
-                            f"{problems}")
-        features[col] = values.astype("float64")
-    for col in schema.categorical:
-        features[col] = _compact(features[col])
+    def numbers_once(col: str) -> pd.Series:  # for the build: a parse kept from inference is let go of once used
+        return parsed.pop(col) if col in parsed else parse_numbers(frame[col])
+
+    features = _build_features(path, frame, schema, numbers_once, missing_numbers, spill_dir)
     logger.info("loaded %s: %d rows, %d feature columns, %s IDs (%s)", path.name, len(frame), len(schema.columns),
                 id_type, "inferred" if inferred else "declared")
-    for col in schema.numeric:
-        missing = int(features[col].isna().sum())
-        if missing:
-            logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
-                        path.name, col, missing)
     return PartyTable(
         path=path,
         id_column=id_column,
@@ -215,6 +201,54 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         task=task if labels is not None else None,
         id_formats=formats,
     )
+
+
+def _build_features(path: Path, frame: TextColumns, schema: FeatureSchema, numbers: Callable[[str], pd.Series],
+                    missing_numbers: bool, folder: Path | None) -> pd.DataFrame:
+    """The feature columns, checked, one at a time: numbers as float64 and categories as codes written to a private
+    file and mapped read-only (``parties.memory.MappedColumns``: the page cache holds them, not the service); a
+    text column of many distinct values stays in memory."""
+    store, kept = MappedColumns(folder), {}
+    for col in schema.columns:
+        text = frame[col]
+        if col in schema.numeric:
+            values = _checked_numbers(path, col, text, numbers(col), missing_numbers)
+            missing = int(np.isnan(values).sum())
+            if missing:
+                logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
+                            path.name, col, missing)
+            kept[col] = (store.append(values), None)
+            continue
+        compact = _compact(text)
+        if isinstance(compact.dtype, pd.CategoricalDtype):
+            kept[col] = (store.append(compact.cat.codes.to_numpy()), compact.dtype)
+        else:
+            kept[col] = compact
+    arrays, columns = store.open(), {}
+    for col, held in kept.items():
+        if isinstance(held, pd.Series):
+            columns[col] = held
+            continue
+        number, dtype = held
+        values = arrays[number] if dtype is None else pd.Categorical.from_codes(arrays[number], dtype=dtype)
+        columns[col] = pd.Series(values, name=col, copy=False)
+    return pd.DataFrame(columns, columns=list(schema.columns), copy=False)
+
+
+def _checked_numbers(path: Path, col: str, text: pd.Series, values: pd.Series, missing_numbers: bool) -> np.ndarray:
+    """A numeric column's values (float64, NaN where missing), or a ``DataError`` naming what is not a finite number."""
+    missing = values.isna().to_numpy()
+    empty = np.zeros(len(missing), dtype=bool)  # only a value that is no number can be empty
+    empty[missing] = (text[missing].str.strip() == "").to_numpy()
+    numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
+    kinds = {"empty": empty & ~missing_numbers, "text": missing & ~empty, "infinite": np.isinf(numbers)}
+    bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
+    if bad:
+        problems = ", ".join(f"{int(mask.sum())} {kind} (first at row {_row(int(mask.argmax()))})"
+                             for kind, mask in bad.items())
+        raise DataError(f"{path}: column {col!r} is numeric, but holds values that are not finite numbers: "
+                        f"{problems}")
+    return numbers
 
 
 def _compact(text: pd.Series) -> pd.Series:
