@@ -58,6 +58,7 @@ class TextColumns:
         self._whole: pd.DataFrame | None = None
         self._read: Callable[[str], pa.ChunkedArray] | None = None
         self._rows: int | None = None
+        self._last: pd.Series | None = None  # the column read last: one column's text, not the table's
         with _readable(path):
             with path.open("rb") as f:
                 magic = f.read(6)
@@ -65,7 +66,7 @@ class TextColumns:
                 import pyarrow.parquet as pq
 
                 parquet = pq.ParquetFile(path)
-                self._open(parquet.schema_arrow, lambda name: parquet.read(columns=[name]).column(0))
+                self._open(parquet.schema_arrow, lambda name: parquet.read(columns=[name], use_threads=False).column(0))
                 self._rows = parquet.metadata.num_rows
             elif path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
                 from pyarrow import feather
@@ -111,13 +112,17 @@ class TextColumns:
             return self._whole[name]
         if name not in self.columns or self._read is None:
             raise KeyError(name)
+        if self._last is not None and self._last.name == name:  # asked again in a row (inferring a kind, then parsing)
+            return self._last
+        self._last = None
         with _readable(self.path):
             values = self._read(name)
         try:
             text = _column_text(values)
         except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
             raise DataError(f"{self.path}: column {name!r} cannot be read as text ({exc})") from exc
-        return pa.table({name: text}).to_pandas()[name]
+        self._last = pa.table({name: text}).to_pandas()[name]
+        return self._last
 
     def frame(self) -> pd.DataFrame:
         """Every column at once."""

@@ -210,16 +210,15 @@ def _build_features(path: Path, frame: TextColumns, schema: FeatureSchema, numbe
     text column of many distinct values stays in memory."""
     store, kept = MappedColumns(folder), {}
     for col in schema.columns:
-        text = frame[col]
         if col in schema.numeric:
-            values = _checked_numbers(path, col, text, numbers(col), missing_numbers)
+            values = _checked_numbers(path, col, lambda col=col: frame[col], numbers(col), missing_numbers)
             missing = int(np.isnan(values).sum())
             if missing:
                 logger.info("%s: column %r has %d missing values (the encoder imputes the training mean)",
                             path.name, col, missing)
             kept[col] = (store.append(values), None)
             continue
-        compact = _compact(text)
+        compact = _compact(frame[col])
         if isinstance(compact.dtype, pd.CategoricalDtype):
             kept[col] = (store.append(compact.cat.codes.to_numpy()), compact.dtype)
         else:
@@ -235,11 +234,14 @@ def _build_features(path: Path, frame: TextColumns, schema: FeatureSchema, numbe
     return pd.DataFrame(columns, columns=list(schema.columns), copy=False)
 
 
-def _checked_numbers(path: Path, col: str, text: pd.Series, values: pd.Series, missing_numbers: bool) -> np.ndarray:
-    """A numeric column's values (float64, NaN where missing), or a ``DataError`` naming what is not a finite number."""
+def _checked_numbers(path: Path, col: str, text: Callable[[], pd.Series], values: pd.Series,
+                     missing_numbers: bool) -> np.ndarray:
+    """A numeric column's values (float64, NaN where missing), or a ``DataError`` naming what is not a finite
+    number. ``text()``: the column as written, read only where a value is missing (empty, or no number)."""
     missing = values.isna().to_numpy()
     empty = np.zeros(len(missing), dtype=bool)  # only a value that is no number can be empty
-    empty[missing] = (text[missing].str.strip() == "").to_numpy()
+    if missing.any():
+        empty[missing] = (text()[missing].str.strip() == "").to_numpy()
     numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
     kinds = {"empty": empty & ~missing_numbers, "text": missing & ~empty, "infinite": np.isinf(numbers)}
     bad = {kind: mask for kind, mask in kinds.items() if mask.any()}
