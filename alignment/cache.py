@@ -24,8 +24,9 @@ Contents are encrypted
 
 Large sets stay on disk
     From ``ON_DISK_FROM`` IDs the hashed set itself is a ``Spool`` (an unnamed
-    file in the cache folder), hashed, sealed and opened a slice at a time:
-    32 bytes an ID of disk, not of memory.
+    file in the cache folder, encrypted under a key of its own held in memory),
+    hashed, sealed and opened a slice at a time: 32 bytes an ID of disk, not of
+    memory.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def hashed_points(
     """
     if cache_dir is not None:
         private_dir(Path(cache_dir))  # where the spool goes, beside the cache
-    spool = Spool(curve.POINT_BYTES, cache_dir) if len(ids) >= ON_DISK_FROM else None
+    spool = Spool(curve.POINT_BYTES, cache_dir, sealed=True) if len(ids) >= ON_DISK_FROM else None
     try:
         if cache_dir is None:
             return pool.hash_to_curve(ids, dst, into=spool)
@@ -198,7 +199,7 @@ def hashed_points(
                            "hashing again")
             if spool is not None:  # what opened before the chunk that did not
                 spool.close()
-                spool = Spool(curve.POINT_BYTES, cache_dir)
+                spool = Spool(curve.POINT_BYTES, cache_dir, sealed=True)
         data = pool.hash_to_curve(ids, dst, into=spool)
         _seal_to(path, subkey, name, data)
         return data

@@ -3,7 +3,7 @@
 A session holds up to six sets of 12 to 32 bytes per ID; at 10^7 customers a set is hundreds of
 megabytes, at 10^8 gigabytes. A ``Spool`` is such a set: an unnamed file (gone when it is closed or the
 process ends, so nothing is left behind by a crash), written in order and read by slice, like ``bytes``.
-What a spool holds is hashed or blinded under a key of the party or of this session only.
+What a spool holds is blinded under a key of this session only, or, for hashed points, encrypted (``sealed``).
 
 The own set is blinded in the session's random order. ``Permuted`` gathers it a slice at a time from
 hashed points in memory; ``permuted_on_disk`` shuffles hashed points kept on disk (large sets: see
@@ -16,6 +16,7 @@ go through ``Partitioned``: a set cut into buckets, one run at a time.
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from parties.errors import BadMessage, OutOfOrder
 
@@ -44,19 +46,34 @@ __all__ = [
 
 
 class Spool:
-    """Records of ``width`` bytes, appended in order to an unnamed file, read back by byte slice."""
+    """Records of ``width`` bytes, appended in order to an unnamed file, read back by byte slice.
 
-    def __init__(self, width: int, folder: Path | None = None) -> None:
+    ``sealed``: what it holds is not blinded under a session key (a party's hashed points, ``H(id)``, which
+    would let whoever reads the disk test an ID), so it is written encrypted, ChaCha20 under a key of this spool
+    only, kept in memory: the file's blocks, even once freed, say nothing.
+    """
+
+    def __init__(self, width: int, folder: Path | None = None, *, sealed: bool = False) -> None:
         self.width = width
         self._file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 -- closed by close(), or when collected
         self._size = 0
         self._lock = threading.Lock()  # a write never meets a close: its descriptor could be another file's by then
+        self._key = (secrets.token_bytes(32), secrets.token_bytes(12)) if sealed else None
+
+    def _cipher(self, data: bytes | memoryview, at: int) -> bytes | memoryview:
+        """``data`` at byte ``at`` of the file, encrypted or decrypted (the same XOR with the keystream there)."""
+        if self._key is None:
+            return data
+        key, nonce = self._key
+        block, skip = divmod(at, 64)  # ChaCha20's keystream comes in 64-byte blocks, counted from the nonce
+        stream = Cipher(algorithms.ChaCha20(key, block.to_bytes(4, "little") + nonce), mode=None).encryptor()
+        return stream.update(bytes(skip) + bytes(data))[skip:]
 
     def write(self, data: bytes) -> None:
         with self._lock:
             if self._file.closed:  # its session was closed while a worker still ran
                 raise CancelledError("the spool is closed")
-            view, at = memoryview(data), self._size
+            view, at = memoryview(self._cipher(data, self._size)), self._size
             while view:  # a short write (a disk nearly full) is written on, or raises
                 done = os.pwrite(self._file.fileno(), view, at)
                 view, at = view[done:], at + done
@@ -80,7 +97,7 @@ class Spool:
             data = os.pread(self._file.fileno(), stop - start, start)
         if len(data) != stop - start:
             raise OSError(f"the spool returned {len(data)} of {stop - start} bytes")
-        return data
+        return bytes(self._cipher(data, start))
 
     def close(self) -> None:
         with self._lock:
@@ -126,10 +143,10 @@ class Partitioned:
     def __init__(self, values: bytes | bytearray | Spool, width: int, folder: Path | None = None,
                  buckets: int = BUCKETS,
                  bucket_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 run_records: int | None = None) -> None:
+                 run_records: int | None = None, sealed: bool = False) -> None:
         self.width, self.count, self.buckets = width, len(values) // width, buckets
         self._record = np.dtype([("value", f"V{width}"), ("position", "<i8")])
-        self._spool = Spool(self._record.itemsize, folder)
+        self._spool = Spool(self._record.itemsize, folder, sealed=sealed)
         self._bounds: list[np.ndarray] = []  # per run: where each bucket starts in the spool (records), and ends
         step = run_records or RUN_RECORDS
         for start in range(0, self.count, step):
@@ -173,11 +190,11 @@ def permuted_on_disk(points: bytes | bytearray | Spool, order: np.ndarray, width
     place = np.empty(count, dtype=np.int32 if count < 1 << 31 else np.int64)
     place[order] = np.arange(count, dtype=place.dtype)
     buckets = max(1, -(-count // SHUFFLE_RECORDS))
-    out = Spool(width, folder)
+    out = Spool(width, folder, sealed=True)  # hashed points: sealed, as they come (alignment.cache)
     try:
         with closing(Partitioned(points, width, folder, buckets,
                                  lambda _values, positions: place[positions] // SHUFFLE_RECORDS,
-                                 run_records=SHUFFLE_RECORDS)) as parts:
+                                 run_records=SHUFFLE_RECORDS, sealed=True)) as parts:
             for b in range(buckets):
                 values, positions = parts.bucket(b)
                 out.write(values[np.argsort(place[positions])].tobytes())

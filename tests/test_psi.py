@@ -286,3 +286,23 @@ def test_hashed_points_on_disk_align_the_same_customers_and_a_handed_over_set_is
     assert sorted(bank_side) == sorted(bank_ids[i] for i in in_memory.rows) == sorted(COMMON[:40])
     with pytest.raises(CancelledError):
         handed[:32]
+
+
+def test_a_sealed_spool_keeps_nothing_readable_on_disk_and_reads_back_at_any_offset() -> None:
+    """Hashed points on disk are encrypted under the spool's own key: the file holds none of them, and slices that
+    start and end anywhere (not on the cipher's 64-byte blocks) read back as written."""
+    points = np.random.default_rng(9).bytes(32 * 1000)
+    sealed, plain = spool.Spool(32, sealed=True), spool.Spool(32)
+    for start in range(0, len(points), 32 * 37):  # writes of 37 records: 1,184 bytes, so most start mid-block
+        sealed.write(points[start : start + 32 * 37])
+        plain.write(points[start : start + 32 * 37])
+    on_disk = os.pread(sealed._file.fileno(), len(points), 0)
+    assert len(on_disk) == len(points) and on_disk != points
+    assert not any(points[k : k + 16] in on_disk for k in range(0, len(points), 32))
+    assert os.pread(plain._file.fileno(), len(points), 0) == points  # a blinded set's spool is written as it is
+    rng = np.random.default_rng(10)
+    for a, b in [(0, len(points)), (5, 70), (63, 65), (64, 128), *(sorted(rng.integers(0, len(points), 2)) for _ in range(50))]:
+        assert sealed[int(a) : int(b)] == points[int(a) : int(b)]
+    other = spool.Spool(32, sealed=True)
+    other.write(points[:640])
+    assert os.pread(other._file.fileno(), 640, 0) != on_disk[:640]  # a key per spool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -147,6 +148,8 @@ def test_a_large_set_is_hashed_sealed_and_opened_on_disk(
     assert hashed == honest
     hashed = cache.hashed_points(IDS, pool, tmp_path, DST)
     assert isinstance(hashed, Spool) and hashed[:] == honest
+    on_disk = os.pread(hashed._file.fileno(), len(honest), 0)  # encrypted there, as in the cache
+    assert not any(honest[k : k + 16] in on_disk for k in range(0, len(honest), curve.POINT_BYTES))
     read = cache.hashed_points(IDS, pool, tmp_path, DST)
     assert isinstance(read, Spool) and read[:] == honest and pool.calls == 1
     path = cache.cache_path(tmp_path, IDS, DST, cache.cache_key(tmp_path))
