@@ -30,8 +30,8 @@ def sniff_separator(path: Path) -> str:
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-#: Arrow's own file format (Feather V2, or V1). Read whole, not memory-mapped: a mapped file rewritten in place
-#: (as pandas and pyarrow write one) while the service holds it would kill the process with a bus error.
+#: Arrow's own file format (Feather V2, or V1). Read, not memory-mapped: a mapped file rewritten in place (as
+#: pandas and pyarrow write one) while the service holds it would kill the process with a bus error.
 ARROW_SUFFIXES = (".feather", ".arrow", ".ipc")
 COLUMNAR_SUFFIXES = PARQUET_SUFFIXES + ARROW_SUFFIXES
 
