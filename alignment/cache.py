@@ -23,7 +23,7 @@ Contents are encrypted
     rewritten. Files are written atomically, mode 0600.
 
 Large sets stay on disk
-    From ``ON_DISK_FROM`` IDs the hashed set itself is a ``Spool`` (an unnamed
+    From ``HASHED_ON_DISK_FROM`` IDs the hashed set itself is a ``Spool`` (an unnamed
     file in the cache folder, encrypted under a key of its own held in memory),
     hashed, sealed and opened a slice at a time: 32 bytes an ID of disk, not of
     memory.
@@ -49,7 +49,7 @@ from alignment.parallel import SlicePool
 from alignment.spool import Spool
 from parties.storage.files import atomic_write_bytes, atomic_writer, private_dir
 
-__all__ = ["KEY_FILE", "ON_DISK_FROM", "cache_key", "cache_path", "hashed_points"]
+__all__ = ["HASHED_ON_DISK_FROM", "KEY_FILE", "cache_key", "cache_path", "hashed_points"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) ->
 
 #: From this many IDs, a party's hashed set is kept on disk (a ``Spool``, 32 bytes an ID), not in memory: past
 #: what shuffling it on disk holds for a while (``alignment.spool.permuted_on_disk``: 4 bytes an ID and 20 MB).
-ON_DISK_FROM = 1 << 22
+HASHED_ON_DISK_FROM = 1 << 22
 
 
 def hashed_points(
@@ -171,13 +171,13 @@ def hashed_points(
 ) -> bytes | bytearray | Spool:
     """``H(id)`` for every normalised ID under ``dst``, from ``cache_dir`` when it holds them.
 
-    ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``). From ``ON_DISK_FROM``
-    IDs the points are a ``Spool`` in ``cache_dir`` (None: the system's temporary folder), read by slice like
+    ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``). From
+    ``HASHED_ON_DISK_FROM`` IDs the points are a ``Spool`` in ``cache_dir`` (None: the system's temporary folder), read by slice like
     the bytes they stand for; its file is gone when the last holder lets it go (or closes it).
     """
     if cache_dir is not None:
         private_dir(Path(cache_dir))  # where the spool goes, beside the cache
-    spool = Spool(curve.POINT_BYTES, cache_dir, sealed=True) if len(ids) >= ON_DISK_FROM else None
+    spool = Spool(curve.POINT_BYTES, cache_dir, sealed=True) if len(ids) >= HASHED_ON_DISK_FROM else None
     try:
         if cache_dir is None:
             return pool.hash_to_curve(ids, dst, into=spool)

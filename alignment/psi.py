@@ -200,7 +200,7 @@ class PsiResponder:
         self._start_reblinding()
 
     def _blind_own(self) -> Spool:
-        shuffled = in_order(self.own_points, self._order, curve.POINT_BYTES, self.spool_dir)
+        shuffled = in_order(self.own_points, self._order, curve.POINT_BYTES, self.spool_dir, self.cancelled)
         try:
             return self.pool.blind(self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
                                    into=self._spools[0])
@@ -334,7 +334,7 @@ def run_initiator(
         if admit is not None:
             admit(info)
         say("blinding own IDs")
-        shuffled = in_order(own_points, order, curve.POINT_BYTES, spool_dir)
+        shuffled = in_order(own_points, order, curve.POINT_BYTES, spool_dir, cancel)
         if hand_over and isinstance(own_points, Spool):  # shuffled into a copy on disk: the hashed set is done with
             own_points.close()
         own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # our own hashes: nothing to check
@@ -369,6 +369,8 @@ def run_initiator(
         return info.session_id, PsiResult(rows=order[own_idx].astype(np.int64), peer_positions=peer_idx)
     except BaseException:
         spools.close()
+        if hand_over and isinstance(own_points, Spool):  # the session's: not left to the garbage collector
+            own_points.close()
         try:
             peer.abort(info.session_id)
         except Exception:  # the peer may be the reason we are here

@@ -182,20 +182,34 @@ SHUFFLE_RECORDS = 1 << 18
 
 
 def permuted_on_disk(points: bytes | bytearray | Spool, order: np.ndarray, width: int,
-                     folder: Path | None = None) -> Spool:
+                     folder: Path | None = None, cancel: threading.Event | None = None) -> Spool:
     """``Permuted(points, order, width)`` written to a spool, with neither the set nor a copy of it in memory:
     records are partitioned by the place they go to (``SHUFFLE_RECORDS`` places a bucket), then each bucket is
-    put in order and appended. Memory: 4 bytes a record (its place), a run and a bucket."""
+    put in order and appended. Memory: 4 bytes a record (its place; 8 past 2^31 records), and a run and a bucket
+    with their sort (about 45 MB). Disk: the partitioned runs (``width`` + 8 bytes a record) and the result.
+    ``cancel`` set stops it between runs and buckets (``CancelledError``)."""
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("shuffling cancelled")
+
     count = len(order)
     place = np.empty(count, dtype=np.int32 if count < 1 << 31 else np.int64)
-    place[order] = np.arange(count, dtype=place.dtype)
+    for start in range(0, count, SHUFFLE_RECORDS):  # no temporary the size of the set
+        stop = min(count, start + SHUFFLE_RECORDS)
+        place[order[start:stop]] = np.arange(start, stop, dtype=place.dtype)
+
+    def bucket_of(_values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        check()
+        return place[positions] // SHUFFLE_RECORDS
+
     buckets = max(1, -(-count // SHUFFLE_RECORDS))
     out = Spool(width, folder, sealed=True)  # hashed points: sealed, as they come (alignment.cache)
     try:
-        with closing(Partitioned(points, width, folder, buckets,
-                                 lambda _values, positions: place[positions] // SHUFFLE_RECORDS,
-                                 run_records=SHUFFLE_RECORDS, sealed=True)) as parts:
+        with closing(Partitioned(points, width, folder, buckets, bucket_of, run_records=SHUFFLE_RECORDS,
+                                 sealed=True)) as parts:
             for b in range(buckets):
+                check()
                 values, positions = parts.bucket(b)
                 out.write(values[np.argsort(place[positions])].tobytes())
     except BaseException:
@@ -205,11 +219,11 @@ def permuted_on_disk(points: bytes | bytearray | Spool, order: np.ndarray, width
 
 
 def in_order(points: bytes | bytearray | Spool, order: np.ndarray, width: int,
-             folder: Path | None = None) -> Permuted | Spool:
+             folder: Path | None = None, cancel: threading.Event | None = None) -> Permuted | Spool:
     """``points`` in ``order``, read by slice: gathered from memory, or, for points kept on disk (a ``Spool``),
     a shuffled copy on disk (``permuted_on_disk``; the caller closes it)."""
     if isinstance(points, Spool):
-        return permuted_on_disk(points, order, width, folder)
+        return permuted_on_disk(points, order, width, folder, cancel)
     return Permuted(points, order, width)
 
 

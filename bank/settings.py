@@ -65,11 +65,12 @@ class BankSettings(ServiceSettings):
         return self
 
     def load_table(self) -> PartyTable:
+        from parties.storage.files import private_dir
         from parties.tables.table import load_party_table
 
         return load_party_table(self.data, self.id_column, self.label, schema_path=self.schema_file, labelled=True,
                                 categorical=self.categorical, numeric=self.numeric, id_type=self.id_type,
-                                task=self.task)
+                                task=self.task, spill_dir=private_dir(self.state_path))
 
     @field_validator("partners")
     @classmethod

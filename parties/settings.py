@@ -212,10 +212,13 @@ class ServiceSettings(BaseSettings):
 
     def load_table(self) -> PartyTable:
         """This party's own table, read through its schema (file, flags, inference)."""
+        from parties.storage.files import private_dir
         from parties.tables.table import load_party_table
 
+        # Its feature columns are kept in an unnamed file in the party's own state folder (parties.memory).
         return load_party_table(self.data, self.id_column, schema_path=self.schema_file,
-                                categorical=self.categorical, numeric=self.numeric, id_type=self.id_type)
+                                categorical=self.categorical, numeric=self.numeric, id_type=self.id_type,
+                                spill_dir=private_dir(self.state_path))
 
     @property
     def state_path(self) -> Path:

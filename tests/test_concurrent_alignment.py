@@ -75,10 +75,10 @@ def test_a_partner_holds_no_hashed_set_between_sessions_and_reads_it_back_from_i
 
 
 def test_hashed_sets_kept_on_disk_align_exactly_as_in_memory(federation, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With every hashed set a spool (as for large tables: ``alignment.cache.ON_DISK_FROM``), at the bank and at
+    """With every hashed set a spool (as for large tables: ``alignment.cache.HASHED_ON_DISK_FROM``), at the bank and at
     each partner service, shuffled on disk in runs and buckets of 64: the same rows at every party as with the sets in memory."""
     in_memory, _, in_memory_rows = _align(federation, "concurrent")
-    monkeypatch.setattr(cache, "ON_DISK_FROM", 1)
+    monkeypatch.setattr(cache, "HASHED_ON_DISK_FROM", 1)
     monkeypatch.setattr(spool, "SHUFFLE_RECORDS", 64)
     on_disk, _, on_disk_rows = _align(federation, "concurrent")
     assert len(on_disk) > 0 and np.array_equal(in_memory.rows, on_disk.rows)

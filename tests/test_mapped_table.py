@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet
 import pytest
 
 from parties import memory
+from parties.errors import DataError
 from parties.memory import MappedColumns, release
+from parties.tables import reading
 from parties.tables.reading import read_table_text
 from parties.tables.table import load_party_table
 
@@ -41,7 +44,7 @@ def table_file(tmp_path: Path) -> Path:
     })
     path = tmp_path / "bank.csv"
     frame.to_csv(path, index=False)
-    (tmp_path / "bank.csv.schema.json").write_text(
+    (tmp_path / "bank.schema.json").write_text(
         '{"id_column": "customer_id", "label_column": "y", "numeric": ["age", "balance"], '
         '"categorical": ["segment", "note"]}')
     return path
@@ -132,3 +135,55 @@ def test_a_columnar_file_is_loaded_one_column_at_a_time(tmp_path: Path, suffix: 
     peak, rows = map(int, out.stdout.split())
     assert rows == n
     assert peak < whole / 3, (peak, whole)
+
+
+def test_a_dotted_parquet_column_is_read_as_itself_not_as_a_nested_field(tmp_path: Path) -> None:
+    """Parquet names a nested field by its dotted path: a top-level column "a.c" beside a struct "a" with a field "c"
+    must read its own values (the file is then read whole)."""
+    table = pa.table({"customer_id": ["1", "2", "3"], "a": [{"c": 1}, {"c": 1}, {"c": 2}],
+                      "a.c": [10.5, 20.5, 30.5]})
+    path = tmp_path / "dotted.parquet"
+    pa.parquet.write_table(table, path)
+    loaded = load_party_table(path, numeric=["a.c"], categorical=["a"])
+    assert loaded.features["a.c"].tolist() == [10.5, 20.5, 30.5]
+
+
+def test_a_file_replaced_while_it_is_read_column_by_column_is_refused(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its columns could come from two versions: refused by name, not loaded half and half."""
+    path = tmp_path / "bank.feather"
+    pd.DataFrame({"customer_id": ["C1", "C2"], "age": [40.0, 30.0]}).to_feather(path)
+    newer = tmp_path / "newer.feather"
+    pd.DataFrame({"customer_id": ["C2", "C1"], "age": [30.0, 40.0]}).to_feather(newer)
+    read = reading.TextColumns.__getitem__
+
+    def replaced_after_the_ids(self, name):
+        values = read(self, name)
+        if name == "customer_id" and newer.exists():
+            os.replace(newer, path)  # as an ETL job writes a file: a new one renamed over the old
+        return values
+
+    monkeypatch.setattr(reading.TextColumns, "__getitem__", replaced_after_the_ids)
+    with pytest.raises(DataError, match="changed while it was read"):
+        load_party_table(path)
+    monkeypatch.undo()
+    assert load_party_table(path).features["age"].tolist() == [30.0, 40.0]
+
+
+def test_a_table_without_feature_columns_still_has_a_row_per_customer(tmp_path: Path) -> None:
+    path = tmp_path / "ids.parquet"
+    pd.DataFrame({"customer_id": [f"C{i}" for i in range(7)], "y": ["a", "b"] * 3 + ["a"]}).to_parquet(path)
+    table = load_party_table(path, label_column="y", labelled=True)
+    assert table.features.shape == (7, 0) and len(table.features) == len(table)
+
+
+def test_a_service_keeps_its_columns_in_its_own_state_folder(tmp_path: Path, table_file: Path) -> None:
+    """Not in the system's temporary folder: the party's disk, its permissions, its space."""
+    from bank.settings import BankSettings
+
+    state = tmp_path / "state"
+    settings = BankSettings(name="bank", data=table_file, insecure=True, state_dir=state)
+    table = settings.load_table()
+    maps = Path("/proc/self/maps").read_text()
+    assert f"{state.resolve()}/" in maps and "(deleted)" in maps
+    assert table.features["age"].notna().all()

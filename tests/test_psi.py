@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import tracemalloc
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -15,7 +16,7 @@ from alignment import curve, spool
 from alignment.in_process_peer import LocalPsiPeer
 from alignment.parallel import WorkerPool
 from alignment.psi import TRUNCATED_BYTES, PsiResponder, SessionInfo, intersect, run_initiator
-from parties.errors import BadMessage, OutOfOrder, UnknownSession
+from parties.errors import BadMessage, OutOfOrder, PeerError, UnknownSession
 
 
 def run_psi(bank: list[str], partner: list[str], pool: WorkerPool, threads: ThreadPoolExecutor, chunk_items: int = 7):
@@ -269,7 +270,7 @@ def test_a_set_on_disk_is_shuffled_on_disk_into_exactly_the_gathered_order(monke
 def test_hashed_points_on_disk_align_the_same_customers_and_a_handed_over_set_is_closed(
     monkeypatch, pool, threads,
 ) -> None:
-    """Both parties' hashed sets as spools (large sets, ``alignment.cache.ON_DISK_FROM``): the same customers, in
+    """Both parties' hashed sets as spools (large sets, ``alignment.cache.HASHED_ON_DISK_FROM``): the same customers, in
     one order on both sides, as with the sets in memory; the bank's handed-over spool is closed once shuffled."""
     monkeypatch.setattr(spool, "SHUFFLE_RECORDS", 64)
     bank_ids, partner_ids = COMMON[:40] + _random_ids(random.Random(1), 300), _random_ids(random.Random(2), 200) + COMMON
@@ -306,3 +307,25 @@ def test_a_sealed_spool_keeps_nothing_readable_on_disk_and_reads_back_at_any_off
     other = spool.Spool(32, sealed=True)
     other.write(points[:640])
     assert os.pread(other._file.fileno(), 640, 0) != on_disk[:640]  # a key per spool
+
+
+def test_a_cancelled_shuffle_stops_and_a_failed_session_closes_the_set_it_was_handed(monkeypatch, pool, threads) -> None:
+    """A session aborted while its set is shuffled on disk stops between runs (it does not shuffle the whole set for
+    nobody), and a session that fails closes the hashed set handed to it at once, not at the next garbage collection."""
+    monkeypatch.setattr(spool, "SHUFFLE_RECORDS", 8)
+    points = curve.hash_to_curve([curve.normalize_id(i) for i in range(200)])
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(CancelledError):
+        spool.permuted_on_disk(_on_disk(points), np.arange(200)[::-1].copy(), curve.POINT_BYTES, cancel=cancel)
+
+    class Greedy(LocalPsiPeer):
+        def open(self, own_count, chunk_items, id_type="text"):
+            info = super().open(own_count, chunk_items, id_type)
+            return SessionInfo(info.session_id, 1 << 40, info.chunk_items, info.id_type)
+
+    handed = _on_disk(points)
+    with pytest.raises(PeerError, match="announced"):
+        run_initiator(Greedy(points, pool, threads), handed, pool, chunk_items=50, hand_over=True)
+    with pytest.raises(CancelledError):
+        handed[:32]

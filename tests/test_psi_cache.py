@@ -138,10 +138,10 @@ def test_a_file_is_sealed_chunk_by_chunk_and_opens_only_whole_and_in_order(
 def test_a_large_set_is_hashed_sealed_and_opened_on_disk(
     tmp_path: Path, pool: CountingPool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """From ``ON_DISK_FROM`` IDs the hashed set is a spool (in unnamed files: nothing is left in the folder but the
+    """From ``HASHED_ON_DISK_FROM`` IDs the hashed set is a spool (in unnamed files: nothing is left in the folder but the
     key and the sealed cache): the same points hashed, read back from the cache, and hashed again when a chunk of
     the cache does not open."""
-    monkeypatch.setattr(cache, "ON_DISK_FROM", 10)
+    monkeypatch.setattr(cache, "HASHED_ON_DISK_FROM", 10)
     monkeypatch.setattr(cache, "CHUNK_BYTES", 3 * curve.POINT_BYTES)
     honest = curve.hash_to_curve(IDS, DST)
     hashed = cache.hashed_points(IDS, WorkerPool(1), tmp_path / "not yet made", DST)[:]  # made for the spool

@@ -373,7 +373,7 @@ class BankCore:
         own = ScoringBottom(model_dir / "bank", read_manifest(model_dir).party(self.settings.name).files)
         try:
             table = load_party_table(upload, self.table.id_column, schema=own.encoder.schema,
-                                     id_type=self.table.id_type)
+                                     id_type=self.table.id_type, spill_dir=upload.parent)
             judge_drift({self.settings.name: own.encoder.drift(table.features)}, accept_drift,
                         {self.settings.name: len(table)})
         except DataError as exc:

@@ -59,27 +59,39 @@ class TextColumns:
         self._read: Callable[[str], pa.ChunkedArray] | None = None
         self._rows: int | None = None
         self._last: pd.Series | None = None  # the column read last: one column's text, not the table's
+        self._seen = _identity(path) if path.exists() else None
         with _readable(path):
             with path.open("rb") as f:
                 magic = f.read(6)
             if path.suffix.lower() in PARQUET_SUFFIXES or magic[:4] == b"PAR1":
                 import pyarrow.parquet as pq
 
-                parquet = pq.ParquetFile(path)
-                self._open(parquet.schema_arrow, lambda name: parquet.read(columns=[name], use_threads=False).column(0))
+                # One handle for every column: a file renamed over this one meanwhile is not read half and half.
+                parquet = pq.ParquetFile(pa.OSFile(str(path)))
+                if any("." in name for name in parquet.schema_arrow.names):
+                    # Parquet names a nested field by its dotted path: "a.c" could read a's field c. Read whole.
+                    table = parquet.read(use_threads=False)
+                    self._open(table.schema, table.column)
+                else:
+                    self._open(parquet.schema_arrow,
+                               lambda name: parquet.read(columns=[name], use_threads=False).column(0))
                 self._rows = parquet.metadata.num_rows
             elif path.suffix.lower() in ARROW_SUFFIXES or magic == b"ARROW1":
                 from pyarrow import feather
 
+                handle = pa.OSFile(str(path))
                 try:
-                    schema = pa.ipc.open_file(pa.OSFile(str(path))).schema
+                    schema = pa.ipc.open_file(handle).schema
                 except pa.ArrowInvalid:  # Feather V1: read whole, then made text column by column
                     table = feather.read_table(path, memory_map=False)
                     self._open(table.schema, table.column)
                     self._rows = table.num_rows
                 else:
-                    self._open(schema, lambda name: feather.read_table(
-                        path, columns=[schema.get_field_index(name)], memory_map=False).column(0))
+                    def column(name: str) -> pa.ChunkedArray:
+                        only = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(name)], use_threads=False)
+                        return pa.ipc.open_file(handle, options=only).read_all().column(0)
+
+                    self._open(schema, column)
             else:
                 separator = sniff_separator(path)
                 try:
@@ -100,6 +112,12 @@ class TextColumns:
             raise DataError(f"{self.path}: columns named more than once: {repeated}")
         self._names, self._read = names, read
 
+    def check_unchanged(self) -> None:
+        """Refuse a file that was replaced or rewritten while it was read a column at a time (``DataError``):
+        its columns could come from two versions of it."""
+        if self._whole is None and self._seen is not None and _identity(self.path) != self._seen:
+            raise DataError(f"{self.path}: the file changed while it was read; load it again once it is written")
+
     def __len__(self) -> int:
         if self._whole is not None:
             return len(self._whole)
@@ -117,11 +135,16 @@ class TextColumns:
         self._last = None
         with _readable(self.path):
             values = self._read(name)
+        if self._rows is None:
+            self._rows = len(values)
+        if len(values) != self._rows:
+            raise DataError(f"{self.path}: column {name!r} has {len(values)} rows; the file has {self._rows}")
         try:
             text = _column_text(values)
         except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
             raise DataError(f"{self.path}: column {name!r} cannot be read as text ({exc})") from exc
-        self._last = pa.table({name: text}).to_pandas()[name]
+        with _readable(self.path):
+            self._last = pa.table({name: text}).to_pandas()[name]
         return self._last
 
     def frame(self) -> pd.DataFrame:
@@ -129,6 +152,12 @@ class TextColumns:
         if self._whole is not None:
             return self._whole
         return pd.DataFrame({name: self[name] for name in self.columns}, columns=self.columns)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced (its inode) or rewritten in place (its size, its modification time)."""
+    seen = path.stat()
+    return seen.st_dev, seen.st_ino, seen.st_size, seen.st_mtime_ns
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,7 @@ def _load(path: Path, id_column: str | None, label_column: str | None, schema_pa
         return parsed.pop(col) if col in parsed else parse_numbers(frame[col])
 
     features = _build_features(path, frame, schema, numbers_once, missing_numbers, spill_dir)
+    frame.check_unchanged()
     logger.info("loaded %s: %d rows, %d feature columns, %s IDs (%s)", path.name, len(frame), len(schema.columns),
                 id_type, "inferred" if inferred else "declared")
     return PartyTable(
@@ -208,6 +210,16 @@ def _build_features(path: Path, frame: TextColumns, schema: FeatureSchema, numbe
     """The feature columns, checked, one at a time: numbers as float64 and categories as codes written to a private
     file and mapped read-only (``parties.memory.MappedColumns``: the page cache holds them, not the service); a
     text column of many distinct values stays in memory."""
+    try:
+        return _features_kept(path, frame, schema, numbers, missing_numbers, folder)
+    except OSError as exc:  # the folder missing or full
+        where = folder if folder is not None else tempfile.gettempdir()
+        raise DataError(f"{path}: its columns could not be kept in {where} ({exc.strerror or exc}); free space "
+                        "there, or give the service another state folder") from exc
+
+
+def _features_kept(path: Path, frame: TextColumns, schema: FeatureSchema, numbers: Callable[[str], pd.Series],
+                   missing_numbers: bool, folder: Path | None) -> pd.DataFrame:
     store, kept = MappedColumns(folder), {}
     for col in schema.columns:
         if col in schema.numeric:
@@ -231,7 +243,7 @@ def _build_features(path: Path, frame: TextColumns, schema: FeatureSchema, numbe
         number, dtype = held
         values = arrays[number] if dtype is None else pd.Categorical.from_codes(arrays[number], dtype=dtype)
         columns[col] = pd.Series(values, name=col, copy=False)
-    return pd.DataFrame(columns, columns=list(schema.columns), copy=False)
+    return pd.DataFrame(columns, index=pd.RangeIndex(len(frame)), columns=list(schema.columns), copy=False)
 
 
 def _checked_numbers(path: Path, col: str, text: Callable[[], pd.Series], values: pd.Series,
