@@ -200,13 +200,9 @@ class PsiResponder:
         self._start_reblinding()
 
     def _blind_own(self) -> Spool:
-        shuffled = in_order(self.own_points, self._order, curve.POINT_BYTES, self.spool_dir, self.cancelled)
-        try:
+        with in_order(self.own_points, self._order, curve.POINT_BYTES, self.spool_dir, self.cancelled) as shuffled:
             return self.pool.blind(self._key, shuffled, curve.POINT_BYTES, self.cancelled, validate=False,
                                    into=self._spools[0])
-        finally:
-            if isinstance(shuffled, Spool):
-                shuffled.close()
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -334,14 +330,12 @@ def run_initiator(
         if admit is not None:
             admit(info)
         say("blinding own IDs")
-        shuffled = in_order(own_points, order, curve.POINT_BYTES, spool_dir, cancel)
-        if hand_over and isinstance(own_points, Spool):  # shuffled into a copy on disk: the hashed set is done with
-            own_points.close()
-        own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # our own hashes: nothing to check
-                                 into=spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
-        if isinstance(shuffled, Spool):
-            shuffled.close()
-        del shuffled
+        with in_order(own_points, order, curve.POINT_BYTES, spool_dir, cancel) as shuffled:
+            if hand_over and isinstance(own_points, Spool):  # shuffled into a copy on disk: done with
+                own_points.close()
+            own_blinded = pool.blind(key, shuffled, cancel=cancel, validate=False,  # own hashes: nothing to check
+                                     into=spools.enter_context(closing(Spool(curve.POINT_BYTES, spool_dir))))
+        del shuffled  # (a view of own_points, which hand_over empties)
         if hand_over and isinstance(own_points, bytearray):  # (bytes, as small sets are hashed into, cannot be)
             own_points.clear()
         for i in range(n_chunks(own_count, chunk_items)):

@@ -19,9 +19,9 @@ import os
 import secrets
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -218,13 +218,19 @@ def permuted_on_disk(points: bytes | bytearray | Spool, order: np.ndarray, width
     return out
 
 
-def in_order(points: bytes | bytearray | Spool, order: np.ndarray, width: int,
-             folder: Path | None = None, cancel: threading.Event | None = None) -> Permuted | Spool:
+@contextmanager
+def in_order(points: bytes | bytearray | Spool, order: np.ndarray, width: int, folder: Path | None = None,
+             cancel: threading.Event | None = None) -> Iterator[Permuted | Spool]:
     """``points`` in ``order``, read by slice: gathered from memory, or, for points kept on disk (a ``Spool``),
-    a shuffled copy on disk (``permuted_on_disk``; the caller closes it)."""
-    if isinstance(points, Spool):
-        return permuted_on_disk(points, order, width, folder, cancel)
-    return Permuted(points, order, width)
+    a shuffled copy on disk (``permuted_on_disk``), closed on leaving."""
+    if not isinstance(points, Spool):
+        yield Permuted(points, order, width)
+        return
+    shuffled = permuted_on_disk(points, order, width, folder, cancel)
+    try:
+        yield shuffled
+    finally:
+        shuffled.close()
 
 
 def intersect_on_disk(own: bytes | bytearray | Spool, peer: bytes | bytearray | Spool, width: int,

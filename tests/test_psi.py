@@ -259,11 +259,11 @@ def test_a_set_on_disk_is_shuffled_on_disk_into_exactly_the_gathered_order(monke
     rng = np.random.default_rng(count)
     points = rng.bytes(curve.POINT_BYTES * count)
     order = rng.permutation(count)
-    shuffled = spool.in_order(_on_disk(points), order, curve.POINT_BYTES, tmp_path)
-    assert isinstance(shuffled, spool.Spool)
-    assert shuffled[:] == spool.Permuted(points, order, curve.POINT_BYTES)[:]
-    assert len(shuffled[:]) == len(points)
-    shuffled.close()
+    with spool.in_order(_on_disk(points), order, curve.POINT_BYTES, tmp_path) as shuffled:
+        assert isinstance(shuffled, spool.Spool)
+        assert shuffled[:] == spool.Permuted(points, order, curve.POINT_BYTES)[:]
+        assert len(shuffled[:]) == len(points)
+    assert shuffled._file.closed  # on leaving
     assert os.listdir(tmp_path) == []
 
 
