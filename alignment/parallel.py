@@ -161,8 +161,8 @@ class SlicePool:
     def hash_to_curve(self, ids: Sequence[bytes], dst: bytes = curve.DEFAULT_DST, *,
                       into: Spool | None = None) -> bytes | Spool:
         """``curve.hash_to_curve`` over all workers; ``into``: write the points there (and return it)."""
-        if not self._parallel(len(ids)):
-            parts: Iterator[bytes] = iter([curve.hash_to_curve(ids, dst)])
+        if not self._parallel(len(ids)):  # slice by slice still: a whole set at once holds ~1.5 KB an ID meanwhile
+            parts: Iterator[bytes] = (curve.hash_to_curve(part, dst) for part in Slices(ids, SLICE_RECORDS))  # type: ignore[arg-type]
         else:
             parts = self._ordered(partial(_hash_slice, dst=dst), Slices(ids, SLICE_RECORDS), None)  # type: ignore[arg-type]
         return _gather(parts, len(ids) * curve.POINT_BYTES, into)

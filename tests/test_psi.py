@@ -329,3 +329,19 @@ def test_a_cancelled_shuffle_stops_and_a_failed_session_closes_the_set_it_was_ha
         run_initiator(Greedy(points, pool, threads), handed, pool, chunk_items=50, hand_over=True)
     with pytest.raises(CancelledError):
         handed[:32]
+
+
+def test_one_worker_hashes_a_set_slice_by_slice_into_the_same_points(monkeypatch) -> None:
+    """Inline (one worker), a large set is hashed a slice at a time, not whole (about 1.5 KB an ID while it runs),
+    into memory or a spool: the same points."""
+    from alignment import parallel
+
+    monkeypatch.setattr(parallel, "SLICE_RECORDS", 7)
+    ids = [curve.normalize_id(f"C{i}") for i in range(30)]
+    calls: list[int] = []
+    whole, real = curve.hash_to_curve(ids), curve.hash_to_curve
+    monkeypatch.setattr(curve, "hash_to_curve", lambda part, dst=curve.DEFAULT_DST: calls.append(len(part)) or real(part, dst))
+    with WorkerPool(1) as pool:
+        assert pool.hash_to_curve(ids) == whole
+        assert pool.hash_to_curve(ids, into=_on_disk(b""))[:] == whole
+    assert calls == [7, 7, 7, 7, 2] * 2
