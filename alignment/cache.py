@@ -158,7 +158,7 @@ def cache_path(cache_dir: Path, ids: Sequence[bytes], dst: bytes, key: bytes) ->
 
 
 #: From this many IDs, a party's hashed set is kept on disk (a ``Spool``, 32 bytes an ID), not in memory: past
-#: what shuffling it on disk holds for a while (``alignment.spool.permuted_on_disk``: 4 bytes an ID and 20 MB).
+#: what shuffling it on disk holds for a while (``alignment.spool.permuted_on_disk``: 4 bytes an ID and ~45 MB).
 HASHED_ON_DISK_FROM = 1 << 22
 
 
@@ -172,8 +172,9 @@ def hashed_points(
     """``H(id)`` for every normalised ID under ``dst``, from ``cache_dir`` when it holds them.
 
     ``key`` is the cache key; by default the one in ``cache_dir`` (see ``cache_key``). From
-    ``HASHED_ON_DISK_FROM`` IDs the points are a ``Spool`` in ``cache_dir`` (None: the system's temporary folder), read by slice like
-    the bytes they stand for; its file is gone when the last holder lets it go (or closes it).
+    ``HASHED_ON_DISK_FROM`` IDs the points are a sealed ``Spool`` in ``cache_dir`` (None: the system's
+    temporary folder), read by slice like the bytes they stand for; its file is gone when the last holder lets
+    it go (or closes it).
     """
     if cache_dir is not None:
         private_dir(Path(cache_dir))  # where the spool goes, beside the cache
