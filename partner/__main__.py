@@ -49,6 +49,10 @@ def serve(args: argparse.Namespace) -> int:
     use_system_allocator()
     table = settings.load_table()
     set_torch_threads(settings.torch_threads)
+    if settings.bottom.factory is not None:  # its own model's module is importable now, not at the first session
+        from parties.learning.model import load_factory
+
+        load_factory(settings.bottom.factory)
     from alignment.parallel import start_fork_server
     from parties.transport.server import serve_party
     from partner.service import create_app

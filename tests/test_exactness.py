@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,54 @@ def test_the_partner_receives_exactly_the_unsplit_gradient(pki, bank_full: Path,
         for name, param in reference.bottoms["partner"].named_parameters():
             assert torch.equal(split_grads[name], param.grad), name
             assert param.grad.abs().sum() > 0
+
+
+#: The built-in bottom's column embeddings, on either side: each split model must still be its unsplit twin.
+EMBEDDED = {
+    "ple+categories": {
+        "bank": BottomConfig(hidden=(16,), cut_width=8, seed=11, numeric_embedding="ple", bins=8, category_width=3),
+        "partner": BottomConfig(hidden=(12,), cut_width=8, seed=22, numeric_embedding="ple", bins=5, numeric_width=3),
+    },
+    "periodic": {
+        "bank": BottomConfig(hidden=(16,), cut_width=8, seed=11, category_width=2),
+        "partner": BottomConfig(hidden=(12,), cut_width=8, seed=22, numeric_embedding="periodic", frequencies=4,
+                                numeric_width=4, category_width=4, learning_rate=3e-3),
+    },
+}
+
+
+@pytest.mark.parametrize("embedded", list(EMBEDDED))
+def test_column_embeddings_train_exactly_as_their_unsplit_twin(
+    pki, bank_full: Path, tmp_path: Path, start_partner, embedded: str
+) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=1200, cache=bank_full.parent, download=False)
+    bottoms = EMBEDDED[embedded]
+    config = TrainingConfig(epochs=2, batch_size=128, patience=10, restore_best=False,
+                            top=TopConfig(hidden=(8,), seed=5), seed=3)
+    with federation(pki, paths, start_partner, tmp_path, bottoms) as fed:
+        coordinator = fed.coordinator(config, bottoms["bank"])
+        outcome = coordinator.run()
+        reference = fed.unsplit(config, coordinator, bottoms)
+        for epoch in range(config.epochs):
+            reference.train_batches(epoch_batches(coordinator.split.train, config.batch_size, config.seed, epoch),
+                                    coordinator.targets)
+        session = outcome.session_id
+        assert state_equal(saved(tmp_path / "bank-models" / session / "bottom.safetensors"),
+                           reference.bottoms["bank"].state_dict())
+        partner_files = fed.partner_core("partner").banks["bank"].folder / "models" / session
+        assert state_equal(saved(partner_files / "bottom.safetensors"), reference.bottoms["partner"].state_dict())
+        assert state_equal(coordinator.top.state_dict(), reference.top.state_dict())
+        # The embeddings are really there and really learned: tables per categorical column, moved by training.
+        fresh = fed.unsplit(config, coordinator, bottoms)
+        for name in ("bank", "partner"):
+            trained = dict(reference.bottoms[name].named_parameters())
+            config = bottoms[name]
+            assert any(k.startswith("tables.") for k in trained) == bool(config.category_width), name
+            assert ("weight" in trained) == (config.numeric_embedding != "none"), name
+            assert ("frequencies" in trained) == (config.numeric_embedding == "periodic"), name
+            start = dict(fresh.bottoms[name].named_parameters())
+            assert all(not torch.equal(trained[k], start[k]) for k in trained if not k.startswith("mlp.")), name
+        # A piecewise-linear party saved its quantile edges with its encoder; its scoring encoder rebuilds them.
+        encoder = json.loads((partner_files / "encoder.json").read_text())
+        assert (encoder.get("bins"), bool(encoder.get("edges"))) == (
+            (5, True) if bottoms["partner"].numeric_embedding == "ple" else (None, False))

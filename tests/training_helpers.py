@@ -71,11 +71,12 @@ class Federation:
     def unsplit(self, config: TrainingConfig, coordinator: Coordinator, bottoms: dict[str, BottomConfig]) -> UnsplitModel:
         """The same model in one process: every party's features, encoded exactly as each party does."""
         train = torch.from_numpy(coordinator.split.train.astype(np.int64))
-        features = {"bank": PartySession("ref", self.bank, self.alignment, train, bottoms["bank"]).trainer.x.all().numpy()}
-        for name in self.partners:
-            session = PartySession("ref", self.tables[name], self.partner_alignment(name), train, bottoms[name])
-            features[name] = session.trainer.x.all().numpy()
-        return UnsplitModel(features, bottoms, config.top, config.aggregation, coordinator.task)
+        features, layouts = {}, {}
+        for name in ["bank", *self.partners]:
+            table, alignment = (self.bank, self.alignment) if name == "bank" else (self.tables[name], self.partner_alignment(name))
+            rows = PartySession("ref", table, alignment, train, bottoms[name]).trainer.x
+            features[name], layouts[name] = rows.all().numpy(), rows.layout
+        return UnsplitModel(features, bottoms, config.top, config.aggregation, coordinator.task, layouts)
 
 
 def state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -47,14 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from parties.errors import BadMessage, Behind, ConfigError, HijackSuspected, OutOfOrder
 from parties.learning import fast_path
 from parties.learning.config import LocalSteps
 from parties.learning.embedding_noise import EmbeddingNoise, PrivacyConfig
 from parties.learning.hijack_monitor import HijackMonitor, MonitorConfig
-from parties.learning.model import BottomConfig, build_bottom, build_optimizer
+from parties.learning.model import BottomConfig, Randomness, build_bottom, build_optimizer, ends_in_relu
 from parties.learning.nopeek import NoPeek
 from parties.learning.secret import Secret
 from parties.observability import STEPS
@@ -91,7 +90,11 @@ class BottomTrainer:
         # Initial weights a counterparty can rebuild let a bank that keeps them from moving (gradients too
         # small for the optimizer to act on) invert every embedding: a seed of None draws them from the secret.
         init = int(self.secret.numpy("initial weights").integers(1 << 62)) if config.seed is None else None
-        self.model = build_bottom(self.x.width, config, seed=init)
+        self.model = build_bottom(self.x.layout, config, seed=init)
+        # A party's own model may draw random numbers (dropout): from a stream of its own, saved with its state.
+        self.random = None if config.built_in else Randomness(
+            config.seed if config.seed is not None else int(self.secret.numpy("model randomness").integers(1 << 62)))
+        self._random_pending: torch.Tensor | None = None  # the stream before the pending embedding was computed
         self._params = list(self.model.parameters())
         self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0
@@ -99,7 +102,7 @@ class BottomTrainer:
         self._pending_index: torch.Tensor | None = None  # the rows of the pending embedding
         self._pending_clean: torch.Tensor | None = None  # with NoPeek: the pending embedding before DP noise
         self._pending_active: torch.Tensor | None = None  # where the pending embedding's output units are on
-        self._relu_output = isinstance(self.model[-1], nn.ReLU) if isinstance(self.model, nn.Sequential) else False
+        self._relu_output = ends_in_relu(self.model)
         self._best: dict[str, Any] | None = None
         self._last: tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self._lock = threading.Lock()
@@ -201,11 +204,13 @@ class BottomTrainer:
             if rows is not None:
                 if not self.model.training:
                     self.model.train()
+                if self.random is not None:
+                    self._random_pending = self.random.state
                 if self.local_batch is None:
-                    z = fast_path.forward(self.model, self.x.take(rows))
+                    z = self._forward(rows)
                 else:  # no graph: each local step recomputes its batch's embedding
                     with torch.no_grad():
-                        z = self.model(self.x.take(rows))
+                        z = self._forward(rows)
                 clean_out = z.detach()
                 if self.nopeek is not None and self.local_batch is None:
                     self._pending_clean = self.dp.clipped(z) if self.dp is not None else z
@@ -241,7 +246,7 @@ class BottomTrainer:
     def _update(self, rows: torch.Tensor, grad: torch.Tensor, answered: torch.Tensor | None = None) -> None:
         """An update from ``grad``, the gradient of ``rows``' embedding; with ``answered`` (reuse), each row
         weighted by the cosine of its embedding now and ``answered``, floored at 0."""
-        z = fast_path.forward(self.model, self.x.take(rows))
+        z = self._forward(rows)
         if self.dp is not None:  # the noise is a constant: the gradient goes through the clipping alone
             z = self.dp.clipped(z)
         if answered is not None:
@@ -249,6 +254,13 @@ class BottomTrainer:
         fast_path.clear_grads(self._params)
         self._backward(z, grad, rows, z)
         fast_path.optimizer_step(self.optimizer)
+
+    def _forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``rows`` in training mode; a party's own model draws from its own stream."""
+        if self.random is None:
+            return fast_path.forward(self.model, self.x.take(rows))
+        with self.random.drawing():
+            return self.model(self.x.take(rows))
 
     def _backward(self, z: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, clean: torch.Tensor | None) -> None:
         """Accumulate the gradient of the bank's loss through ``z`` (the embedding as released), and with NoPeek
@@ -319,6 +331,9 @@ class BottomTrainer:
                     tensors["pending.z"] = self._pending.detach().clone()
             if self._best is not None:
                 tensors |= {f"best.{k}": v.clone() for k, v in self._best.items()}
+            if self.random is not None:  # as it was before the pending embedding: a restore recomputes that
+                pending = self._random_pending if self._pending_index is not None else None
+                tensors["random"] = (pending if pending is not None else self.random.state).clone()
             last_step = None
             if self._last is not None:
                 last_step = self._last[0]
@@ -370,15 +385,21 @@ class BottomTrainer:
             rows = checkpoint.tensors.get("pending.rows")
             self._pending, self._pending_index, self._pending_clean = None, None, None
             self._pending_active = None
+            if self.random is not None:
+                self.random.state = checkpoint.tensors["random"].clone()
+                self._random_pending = self.random.state if rows is not None else None
+            # Recomputing the pending embedding must not count its batch twice in the model's own statistics
+            # (batch norm's running means, saved after that batch): they are put back as saved.
+            saved = {k: b.clone() for k, b in self.model.named_buffers()}
             if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
                 self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
                 with torch.no_grad():
-                    active = self.model(self.x.take(rows)) > 0
+                    active = self._forward(rows) > 0
                 self._pending_active = active.to(self._pending.dtype) if self._relu_output else None
             elif rows is not None:
                 # Recompute the pending embedding's graph; its released value (and noise) is the stored one.
                 self.model.train()
-                z = self.model(self.x.take(rows))
+                z = self._forward(rows)
                 clean = z
                 if self.dp is not None:
                     clean = self.dp.clipped(z)
@@ -386,6 +407,9 @@ class BottomTrainer:
                 self._pending, self._pending_index = z, rows
                 self._pending_clean = clean if self.nopeek is not None else None
                 self._pending_active = (clean.detach() > 0).to(z.dtype) if self._relu_output else None
+            for name, value in saved.items():  # new tensors: the recomputed graph keeps (and checks) the ones it read
+                owner, _, leaf = name.rpartition(".")
+                setattr(self.model.get_submodule(owner), leaf, value)
             last = checkpoint.section("last")
             self._last = None
             if meta["last_step"] is not None:

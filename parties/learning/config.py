@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parties.flags import Flag
 
-__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "MonitorFlags", "OptimizerConfig", "PartnerDefenses",
-           "PrivacyConfig", "PrivacyFlags", "TaskKind"]
+__all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "MonitorFlags", "NumericEmbedding", "OptimizerConfig",
+           "PartnerDefenses", "PrivacyConfig", "PrivacyFlags", "TaskKind"]
 
 #: What the bank's label is: it decides the loss, the metrics and how a label column is validated.
 TaskKind = Literal["binary", "multiclass", "regression"]
@@ -28,14 +28,64 @@ class OptimizerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
 
 
-class BottomConfig(OptimizerConfig):
-    """A party's own bottom model: its architecture, optimizer and seed are its own business."""
+#: How the built-in bottom takes its numeric columns (``parties.learning.model``; Gorishniy et al., NeurIPS 2022):
+#: as z-scores, piecewise-linear over quantile bins of the training rows, or through learned periodic features.
+NumericEmbedding = Literal["none", "ple", "periodic"]
 
+
+class BottomConfig(OptimizerConfig):
+    """A party's own bottom model: its architecture, optimizer and seed are its own business.
+
+    The built-in bottom is an MLP over the encoded columns, with optional embeddings of the columns before it;
+    ``factory`` names the party's own model instead, a function it installs locally (the code never leaves it).
+    """
+
+    factory: Annotated[str | None, Flag("bottom", metavar="MODULE:FUNCTION")] = Field(
+        None, description="your own bottom model instead of the built-in one: a function in a module this party "
+        "has installed, called as FUNCTION(in_width, cut_width) with the encoded width of its columns and the cut "
+        "width, returning a torch module that maps (rows, in_width) float32 to (rows, cut_width). Its code stays "
+        "here; only the embedding width is sent")
     hidden: tuple[int, ...] = Field((64,), description="hidden layer widths, comma-separated")
     cut_width: int = Field(16, ge=1, le=4096, description="embedding width sent to the bank")
+    numeric_embedding: NumericEmbedding = Field(
+        "none", description="how the built-in bottom takes numeric columns: none (z-scores), ple (piecewise-linear "
+        "over --bins quantile bins fitted on this party's training rows) or periodic (learned sin/cos features, "
+        "then a linear layer and ReLU per column)")
+    bins: int = Field(16, ge=2, le=256, description="ple: quantile bins per numeric column (fewer where the "
+                      "training rows have fewer distinct values)")
+    frequencies: int = Field(16, ge=1, le=256, description="periodic: learned frequencies per numeric column")
+    frequency_scale: float = Field(0.1, gt=0, le=100, description="periodic: the initial frequencies' standard "
+                                   "deviation")
+    numeric_width: int = Field(8, ge=1, le=256, description="ple, periodic: each numeric column's embedding width "
+                               "(a linear layer and ReLU per column)")
+    category_width: int = Field(0, ge=0, le=256, description="learned embedding width of each categorical column "
+                                "(0: its one-hot goes to the MLP as it is)")
     seed: Annotated[int | None, Flag(parse=lambda text: _seed(text))] = Field(
         0, description="the initial weights' seed, or 'secret' (None in a file) to draw them from this party's "
         "secret, so a counterparty cannot rebuild them (a partner with the hijack monitor on defaults to secret)")
+
+    @property
+    def built_in(self) -> bool:
+        return self.factory is None
+
+    @property
+    def encoder_bins(self) -> int:
+        """Quantile bins the party's encoder fits per numeric column (0: none, z-scores only)."""
+        return self.bins if self.numeric_embedding == "ple" and self.built_in else 0
+
+    @model_validator(mode="after")
+    def _factory_alone(self) -> BottomConfig:
+        if self.factory is not None:
+            module, _, function = self.factory.partition(":")
+            if not (module and function and all(p.isidentifier() for p in (*module.split("."), function))):
+                raise ValueError(f"bottom factory {self.factory!r}: expected MODULE:FUNCTION, e.g. "
+                                 "mypkg.models:make_bottom")
+            built_in = [f for f in ("hidden", "numeric_embedding", "category_width")
+                        if getattr(self, f) != type(self).model_fields[f].default]
+            if built_in:
+                raise ValueError(f"{', '.join(built_in)} shape the built-in bottom; your own ({self.factory}) "
+                                 "decides its own architecture")
+        return self
 
 
 def _seed(text: str) -> int | None:

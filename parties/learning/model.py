@@ -1,19 +1,26 @@
-"""The models every party builds: a seeded MLP (bottoms, tops, trunks, server layers), their optimizers, and the
-loss a task trains on, wherever the loss is computed (the bank's top, or a vanilla compute party's server)."""
+"""The models every party builds: a seeded MLP (bottoms, tops, trunks, server layers), the built-in bottom's column
+embeddings, a party's own bottom from its factory, their optimizers, and the loss a task trains on, wherever the
+loss is computed (the bank's top, or a vanilla compute party's server)."""
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parties.errors import ConfigError
 from parties.learning.config import BottomConfig, OptimizerConfig, TaskKind
+from parties.tables.encoding import InputLayout
 
-__all__ = ["BottomConfig", "OptimizerConfig", "build_bottom", "build_optimizer", "check_targets", "mlp",
-           "prepare_optimizers", "task_loss"]
+__all__ = ["BottomConfig", "InputLayout", "OptimizerConfig", "Randomness", "TabularBottom", "build_bottom",
+           "build_optimizer", "check_targets", "ends_in_relu", "load_factory", "mlp", "prepare_optimizers",
+           "task_loss"]
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:
@@ -43,13 +50,175 @@ def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bo
     return model
 
 
-def build_bottom(in_dim: int, config: BottomConfig, seed: int | None = None) -> nn.Sequential:
-    """The bottom MLP; the same (in_dim, config) always gives the same initial weights. ``seed`` overrides
-    the config's: a config whose seed is None (the party's secret) needs it."""
+class TabularBottom(nn.Module):
+    """The built-in bottom with embeddings of its columns before the MLP (Gorishniy et al., NeurIPS 2022).
+
+    Numeric columns: with ``numeric_embedding="ple"`` each arrives as its piecewise-linear bins (the encoder's,
+    ``parties.tables.encoding``), with ``"periodic"`` as its z-score, turned into ``frequencies`` learned sin/cos
+    pairs; either then goes through a linear layer and ReLU of its own (``numeric_width`` wide). Categorical
+    columns: with ``category_width`` each one-hot block is multiplied by a learned table, one row per category
+    (an unseen category, all zeros, gets zeros). Initial weights come from ``seed`` alone, as ``mlp``'s do.
+    """
+
+    def __init__(self, layout: InputLayout, config: BottomConfig, seed: int) -> None:
+        super().__init__()
+        self.layout, self.mode = layout, config.numeric_embedding
+        generator = torch.Generator().manual_seed(seed)
+        m = len(layout.numeric)
+        self.numeric_in = sum(layout.numeric)
+        if self.mode == "periodic" and any(c != 1 for c in layout.numeric):
+            raise ConfigError("periodic embeddings take each numeric column as one number, not as bins")
+        if self.mode == "none":
+            width = self.numeric_in
+        else:
+            # One linear layer per numeric column, batched: each column's input padded to the widest.
+            parts = 2 * config.frequencies if self.mode == "periodic" else max(layout.numeric, default=1)
+            if self.mode == "periodic":
+                self.frequencies = nn.Parameter(torch.randn(m, config.frequencies, generator=generator)
+                                                * config.frequency_scale)
+            else:
+                self.register_buffer("_spread", _spread(layout.numeric), persistent=False)
+            bound = 1 / math.sqrt(parts)
+            self.weight = nn.Parameter(torch.empty(m, parts, config.numeric_width).uniform_(-bound, bound, generator=generator))
+            self.bias = nn.Parameter(torch.empty(m, config.numeric_width).uniform_(-bound, bound, generator=generator))
+            width = m * config.numeric_width
+        self.tables = nn.ParameterList()
+        if config.category_width:
+            bound = 1 / math.sqrt(config.category_width)
+            for size in layout.categories:
+                self.tables.append(nn.Parameter(torch.empty(size, config.category_width).uniform_(
+                    -bound, bound, generator=generator)))
+            width += len(layout.categories) * config.category_width
+        else:
+            width += sum(layout.categories)
+        self.mlp = mlp(width, config.hidden, config.cut_width, activate_output=True,
+                       seed=int(torch.randint(1 << 62, (1,), generator=generator)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        numbers, rest = x[:, : self.numeric_in], x[:, self.numeric_in :]
+        parts = []
+        if self.mode == "none":
+            parts.append(numbers)
+        else:
+            if self.mode == "periodic":
+                angles = 2 * math.pi * numbers[:, :, None] * self.frequencies
+                columns = torch.cat([torch.sin(angles), torch.cos(angles)], dim=2)
+            else:  # each column's bins, padded with zeros to the widest column's
+                columns = numbers @ self._spread
+                columns = columns.view(len(x), len(self.layout.numeric), -1)
+            parts.append(torch.relu(torch.einsum("nmp,mpd->nmd", columns, self.weight) + self.bias).flatten(1))
+        if len(self.tables):
+            start = 0
+            for size, table in zip(self.layout.categories, self.tables):
+                parts.append(rest[:, start : start + size] @ table)
+                start += size
+        else:
+            parts.append(rest)
+        return self.mlp(torch.cat(parts, dim=1))
+
+
+def _spread(components: Sequence[int]) -> torch.Tensor:
+    """The 0/1 matrix that places each column's bins in a block as wide as the widest column's."""
+    widest = max(components, default=1)
+    spread = torch.zeros(sum(components), len(components) * widest)
+    start = 0
+    for j, c in enumerate(components):
+        spread[start + torch.arange(c), j * widest + torch.arange(c)] = 1.0
+        start += c
+    return spread
+
+
+def load_factory(name: str) -> Callable[[int, int], nn.Module]:
+    """The function ``MODULE:FUNCTION`` names, imported from this party's own installation."""
+    module_name, _, function = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"bottom factory {name}: cannot import {module_name} ({exc}); install it where this "
+                          "party runs") from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise ConfigError(f"bottom factory {name}: {module_name} has no function {function}")
+    return factory
+
+
+#: torch's default generator is the process's: a party's own model draws from it under this lock only.
+_GLOBAL_RNG = threading.RLock()
+
+
+@contextmanager
+def _seeded(state: torch.Tensor) -> Iterator[None]:
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        yield
+
+
+def _own_bottom(in_width: int, config: BottomConfig, seed: int) -> nn.Module:
+    assert config.factory is not None
+    factory = load_factory(config.factory)
+    with _seeded(torch.Generator().manual_seed(seed).get_state()):
+        try:
+            model = factory(in_width, config.cut_width)
+        except Exception as exc:  # the party's own code: say whose it is
+            raise ConfigError(f"bottom factory {config.factory}({in_width}, {config.cut_width}) failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"bottom factory {config.factory} returned {type(model).__name__}, not a torch module")
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model(torch.zeros(2, in_width))
+        except Exception as exc:
+            raise ConfigError(f"bottom factory {config.factory}: its model fails on a (2, {in_width}) float32 "
+                              f"batch: {type(exc).__name__}: {exc}") from exc
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.shape != (2, config.cut_width) or out.dtype != torch.float32:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"bottom factory {config.factory}: its model maps (2, {in_width}) to {shape}, not "
+                          f"(2, {config.cut_width}) float32 (the cut width)")
+    return model
+
+
+class Randomness:
+    """The random numbers a party's own model draws (dropout, say) from torch's default generator, as a stream of
+    its own: the same seed gives the same draws, another thread's draws do not shift them, and the stream's state
+    is part of a checkpoint, so a resumed session draws what the uninterrupted one would have."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        with _seeded(self.state):
+            yield
+            self.state = torch.get_rng_state()
+
+
+def ends_in_relu(model: nn.Module) -> bool:
+    """Whether the model's output passes a ReLU last (where it is 0, a gradient reaches no weight)."""
+    if isinstance(model, TabularBottom):
+        model = model.mlp
+    return isinstance(model, nn.Sequential) and len(model) > 0 and isinstance(model[-1], nn.ReLU)
+
+
+def build_bottom(inputs: int | InputLayout, config: BottomConfig, seed: int | None = None) -> nn.Module:
+    """The bottom model; the same (inputs, config) always gives the same initial weights. ``inputs``: the
+    encoded columns' layout (``EncodedRows.layout``, ``TabularEncoder.layout``), or a width of plain numbers.
+    ``seed`` overrides the config's: a config whose seed is None (the party's secret) needs it.
+
+    The defaults give the plain MLP (``mlp``); column embeddings give a ``TabularBottom``; a factory, the
+    party's own module, built with torch's default generator seeded from ``seed`` and checked on a batch.
+    """
     seed = config.seed if seed is None else seed
     if seed is None:
         raise ValueError("this bottom's initial weights come from its party's secret: its trainer builds it")
-    return mlp(in_dim, config.hidden, config.cut_width, activate_output=True, seed=seed)
+    layout = InputLayout.dense(inputs) if isinstance(inputs, int) else inputs
+    if config.factory is not None:
+        return _own_bottom(layout.width, config, seed)
+    if config.numeric_embedding == "none" and not config.category_width:
+        return mlp(layout.width, config.hidden, config.cut_width, activate_output=True, seed=seed)
+    return TabularBottom(layout, config, seed)
 
 
 def build_optimizer(params: Iterable[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:

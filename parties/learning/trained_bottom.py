@@ -57,7 +57,7 @@ class ScoringBottom:
             weights = load_tensors(blobs["bottom.safetensors"])
         except (ValueError, KeyError, SafetensorError) as exc:
             raise DataError(f"{folder}: unreadable model files ({exc})") from exc
-        self.model = build_bottom(self.encoder.width, self.config, seed=0)  # its trained weights are loaded next
+        self.model = build_bottom(self.encoder.layout, self.config, seed=0)  # its trained weights are loaded next
         try:
             self.model.load_state_dict(weights)
         except RuntimeError as exc:

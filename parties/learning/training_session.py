@@ -56,7 +56,7 @@ class PartySession:
         self.train_digest = _digest(train_positions)
         self.restarted_at: int | None = None  # rebuilt after a restart from the checkpoint at this step
         self.owner = ""  # the bank that started it
-        self.encoder = TabularEncoder(table.schema).fit(table.features.iloc[alignment.rows[positions]])
+        self.encoder = TabularEncoder(table.schema, bins=config.encoder_bins).fit(table.features.iloc[alignment.rows[positions]])
         self.privacy, self.monitor = privacy, monitor
         features, _ = self.encoder.encode_rows(table.features, alignment.rows)
         self.trainer = BottomTrainer(features, config, privacy, monitor, local)

@@ -1,13 +1,19 @@
 """Encode a party's own columns into numbers: one-hot categoricals, standardised numerics.
 
 Fitted on the party's own training rows only. The learned state is plain
-data (categories, means, scales) so it can be saved as JSON beside the model.
+data (categories, means, scales, quantile bin edges) so it can be saved as JSON beside the model.
 A training session keeps its rows as ``EncodedRows`` (numbers, and each category's position) and expands
 each batch into the one-hot when it is used: memory grows with the table's columns, not the encoded width.
+
+With ``bins`` (the built-in bottom's ``numeric_embedding="ple"``) each numeric column is encoded piecewise
+linearly over quantile bins of its training values (Gorishniy et al., "On Embeddings for Numerical Features in
+Tabular Deep Learning", NeurIPS 2022): component t is 0 below bin t, 1 above it and linear inside it (the first
+bin extends below the lowest edge, the last above the highest), one component per bin.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -22,7 +28,8 @@ from parties.errors import DataError
 from parties.tables.drift import Drift, fit_profile, stability
 from parties.tables.schema import POLICIES, FeatureSchema
 
-__all__ = ["EncodedRows", "Fallbacks", "TabularEncoder", "category_text", "merge_fallbacks", "parse_fallbacks"]
+__all__ = ["EncodedRows", "Fallbacks", "InputLayout", "TabularEncoder", "category_text", "merge_fallbacks",
+           "parse_fallbacks"]
 
 #: Per column, how many values took a declared policy instead of being encoded as seen in training:
 #: ``{"job": {"unseen category": 3}, "balance": {"missing: training mean": 1}}``.
@@ -95,19 +102,49 @@ def _category_codes(values: pd.Series, categories: Sequence[str]) -> tuple[np.nd
     return found, empty
 
 
+@dataclass(frozen=True)
+class InputLayout:
+    """What the columns of an encoded matrix are, in order: each numeric column's components (1: its z-score;
+    more: its piecewise-linear bins), then each categorical column's one-hot block (its category count)."""
+
+    numeric: tuple[int, ...]
+    categories: tuple[int, ...] = ()
+
+    @classmethod
+    def dense(cls, width: int) -> InputLayout:
+        """A matrix of plain numbers."""
+        return cls((1,) * width)
+
+    @property
+    def width(self) -> int:
+        return sum(self.numeric) + sum(self.categories)
+
+
+def _edges_on_z(edges: Sequence[float], mean: float, scale: float) -> np.ndarray | None:
+    """A column's bin edges on its z-score's scale, as float32 and strictly increasing (None: fewer than two)."""
+    z = np.unique(((np.asarray(edges, dtype=np.float64) - mean) / scale).astype(np.float32))
+    return z if len(z) >= 2 else None
+
+
 class EncodedRows:
     """Encoded rows kept compactly: the numbers (float32), and each categorical column's category position
     (-1: the all-zero "unknown"). ``take`` gives a batch of rows exactly as ``TabularEncoder.encode`` would.
+    ``edges``: each numeric column's quantile bin edges on its z-score's scale (None: the z-score as it is).
     """
 
-    def __init__(self, numbers: np.ndarray, codes: np.ndarray, sizes: Sequence[int]) -> None:
+    def __init__(self, numbers: np.ndarray, codes: np.ndarray, sizes: Sequence[int],
+                 edges: Sequence[np.ndarray | None] | None = None) -> None:
         if codes.shape != (len(numbers), len(sizes)) or any(size < 1 for size in sizes):
             raise ValueError(f"codes of shape {codes.shape} for {len(numbers)} rows of {len(sizes)} columns of "
                              f"{list(sizes)} categories")
         self.numbers = torch.from_numpy(np.ascontiguousarray(numbers, dtype=np.float32))
         self.codes = torch.from_numpy(codes)
-        self.width = self.numbers.shape[1] + int(sum(sizes))
-        self._offsets = torch.from_numpy(self.numbers.shape[1] + np.cumsum([0, *sizes[:-1]], dtype=np.int64))
+        self._bins = None if edges is None or all(e is None for e in edges) else _bins(edges)
+        components = (tuple(int(n) for n in torch.bincount(self._bins[0], minlength=self.numbers.shape[1]))
+                      if self._bins is not None else (1,) * self.numbers.shape[1])
+        self.layout = InputLayout(components, tuple(int(s) for s in sizes))
+        self.width = self.layout.width
+        self._offsets = torch.from_numpy(sum(components) + np.cumsum([0, *sizes[:-1]], dtype=np.int64))
 
     @classmethod
     def dense(cls, matrix: np.ndarray) -> EncodedRows:
@@ -124,6 +161,9 @@ class EncodedRows:
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """The encoded rows at positions ``rows``: a float32 matrix, one row per position."""
         numbers = self.numbers.index_select(0, rows)
+        if self._bins is not None:
+            column, left, width, low, high = self._bins
+            numbers = ((numbers.index_select(1, column) - left) / width).clamp_(low, high)
         if not self.codes.shape[1]:
             return numbers
         codes = self.codes.index_select(0, rows).long()
@@ -138,9 +178,27 @@ class EncodedRows:
         return self.take(torch.arange(len(self)))
 
 
+def _bins(edges: Sequence[np.ndarray | None]) -> tuple[torch.Tensor, ...]:
+    """Per output component of a piecewise-linear encoding: its numeric column, bin start, bin width, and the
+    bounds it is clamped to (the first bin open below, the last open above). A column without edges: one
+    component, its z-score as it is."""
+    column, left, width, low, high = [], [], [], [], []
+    for j, e in enumerate(edges):
+        spans = [(0.0, 1.0)] if e is None else [(float(a), float(b) - float(a)) for a, b in itertools.pairwise(e)]
+        for t, (start, span) in enumerate(spans):
+            column.append(j)
+            left.append(start)
+            width.append(span)
+            low.append(-np.inf if t == 0 else 0.0)
+            high.append(np.inf if t == len(spans) - 1 else 1.0)
+    return (torch.tensor(column, dtype=torch.int64),
+            *(torch.tensor(np.asarray(v, dtype=np.float32)) for v in (left, width, low, high)))
+
+
 @dataclass
 class TabularEncoder:
-    """One-hot for categoricals (unseen values encode as all zeros), z-scores for numerics."""
+    """One-hot for categoricals (unseen values encode as all zeros), z-scores for numerics, or with ``bins`` each
+    numeric column piecewise linear over quantile bins of its training values."""
 
     schema: FeatureSchema
     categories_: dict[str, list[str]] = field(default_factory=dict)
@@ -149,6 +207,9 @@ class TabularEncoder:
     #: each column's distribution on the training rows, for drift at scoring (``parties.tables.drift``);
     #: empty for an encoder saved before profiles existed
     profile_: dict[str, Any] = field(default_factory=dict)
+    #: quantile bins per numeric column (0: z-scores only), and each column's bin edges in its own units
+    bins: int = 0
+    edges_: dict[str, list[float]] = field(default_factory=dict)
 
     def fit(self, frame: pd.DataFrame) -> TabularEncoder:
         if frame.empty:
@@ -160,6 +221,9 @@ class TabularEncoder:
             self.means_[col] = float(np.nanmean(values))
             std = float(np.nanstd(values))
             self.scales_[col] = std if std > 0 else 1.0
+            if self.bins:
+                seen = values[~np.isnan(values)]
+                self.edges_[col] = np.unique(np.quantile(seen, np.linspace(0, 1, self.bins + 1))).tolist()
         texts = {col: category_text(frame[col]) for col in self.schema.categorical}
         for col, text in texts.items():
             self.categories_[col] = sorted(text.unique().tolist())
@@ -173,12 +237,26 @@ class TabularEncoder:
             return {}
         return stability(self.profile_, frame, {col: category_text(frame[col]) for col in self.schema.categorical})
 
+    def _z_edges(self) -> list[np.ndarray | None] | None:
+        if not self.bins:
+            return None
+        return [_edges_on_z(self.edges_[c], self.means_[c], self.scales_[c]) for c in self.schema.numeric]
+
+    @property
+    def layout(self) -> InputLayout:
+        """The encoded matrix's columns (``InputLayout``)."""
+        edges = self._z_edges() or [None] * len(self.schema.numeric)
+        return InputLayout(tuple(1 if e is None else len(e) - 1 for e in edges),
+                           tuple(len(self.categories_[c]) for c in self.schema.categorical))
+
     @property
     def width(self) -> int:
-        return len(self.schema.numeric) + sum(len(c) for c in self.categories_.values())
+        return self.layout.width
 
     def feature_names(self) -> list[str]:
-        names = list(self.schema.numeric)
+        names = []
+        for col, parts in zip(self.schema.numeric, self.layout.numeric):
+            names += [col] if parts == 1 and col not in self.edges_ else [f"{col}[bin {t}]" for t in range(parts)]
         for col, cats in self.categories_.items():
             names += [f"{col}={c}" for c in cats]
         return names
@@ -210,7 +288,7 @@ class TabularEncoder:
         for start in range(0, n, chunk):
             part = frame.iloc[start : start + chunk] if rows is None else frame.iloc[rows[start : start + chunk]]
             merge_fallbacks(fallbacks, self._encode_into(part, numbers[start : start + chunk], codes[start : start + chunk]))
-        return EncodedRows(numbers, codes, sizes), fallbacks
+        return EncodedRows(numbers, codes, sizes, self._z_edges()), fallbacks
 
     def _encode_into(self, frame: pd.DataFrame, numbers: np.ndarray, codes: np.ndarray) -> Fallbacks:
         fallbacks: Fallbacks = {}
@@ -242,13 +320,16 @@ class TabularEncoder:
             "means": self.means_,
             "scales": self.scales_,
             "profile": self.profile_,
-        }
+        } | ({"bins": self.bins, "edges": self.edges_} if self.bins else {})
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> TabularEncoder:
         schema = FeatureSchema(tuple(state["numeric"]), tuple(state["categorical"]))
-        return cls(schema, dict(state["categories"]), dict(state["means"]), dict(state["scales"]),
-                   dict(state.get("profile") or {}))
+        encoder = cls(schema, dict(state["categories"]), dict(state["means"]), dict(state["scales"]),
+                      dict(state.get("profile") or {}), int(state.get("bins", 0)), dict(state.get("edges") or {}))
+        if encoder.bins and set(encoder.edges_) != set(schema.numeric):
+            raise ValueError("the encoder's bin edges do not name its numeric columns")
+        return encoder
 
 
 def merge_fallbacks(total: Fallbacks, more: Fallbacks) -> Fallbacks:

@@ -28,7 +28,7 @@ from bank.task import Task
 from bank.vertical.coordinator import epoch_batches
 from parties.errors import ConfigError, DataError
 from parties.learning.model import BottomConfig
-from parties.tables.encoding import TabularEncoder
+from parties.tables.encoding import InputLayout, TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
 
 __all__ = ["NoPartition", "PartyFiles", "fit_unsplit", "joined_features", "reference_models"]
@@ -76,12 +76,14 @@ def _named_files(run: Run, files: dict[str, Path]) -> tuple[str, dict[str, Path]
     return bank, {name: Path(path) for name, path in files.items()}
 
 
-def joined_features(run: Run, partition: PartyFiles = None
+def joined_features(run: Run, partition: PartyFiles = None, layouts: dict[str, InputLayout] | None = None,
                     ) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
     """Each party's encoded columns for the run's aligned rows (in the run's order), the targets, the splits.
 
-    Encoders are fitted on the run's training rows only, as each party does. Each file is read through its
-    own schema file (ID column, label, column kinds), as its party reads it.
+    Encoders are fitted on the run's training rows only, as each party does, with the quantile bins its saved
+    encoder has (a bottom with piecewise-linear embeddings); ``layouts``, if given, gets each party's
+    ``TabularEncoder.layout``. Each file is read through its own schema file (ID column, label, column
+    kinds), as its party reads it.
     """
     label_party, files = _party_files(run, partition)
     bank = load_party_table(files.pop(label_party), labelled=True)
@@ -102,11 +104,20 @@ def joined_features(run: Run, partition: PartyFiles = None
     features = {}
     for name, (table, rows) in tables.items():
         frame = table.features.iloc[rows]
-        features[name] = TabularEncoder(table.schema).fit(frame.iloc[train]).transform(frame)
+        encoder = TabularEncoder(table.schema, bins=_saved_bins(run, name)).fit(frame.iloc[train])
+        features[name] = encoder.transform(frame)
+        if layouts is not None:
+            layouts[name] = encoder.layout
     task = Task(run.metrics["task"], run.config.get("positive_label")).fit(bank.labels.iloc[bank_rows])
     targets = task.targets(bank.labels.iloc[bank_rows]).numpy()
     splits = {k: np.flatnonzero(split["split"].to_numpy() == k) for k in ("train", "val", "test")}
     return features, targets, splits
+
+
+def _saved_bins(run: Run, name: str) -> int:
+    """The quantile bins of the encoder a party saved with its model (0: none saved, or z-scores)."""
+    saved = run.model_dir(name) / ("bank/encoder.json" if name == "bank" else "encoder.json")
+    return int(json.loads(saved.read_text()).get("bins", 0)) if saved.is_file() else 0
 
 
 #: The test metrics a comparison shows, per task.
@@ -137,7 +148,8 @@ def _partner_bottom(run: Run, name: str) -> BottomConfig:
     return BottomConfig.model_validate_json((run.model_dir(name) / "bottom-config.json").read_text())
 
 
-def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:
+def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray],
+                 layouts: dict[str, InputLayout]) -> np.ndarray:
     """The run's own architecture and schedule, trained in one process with the same early stopping.
 
     On one intra-op thread, as every party computes by default (``--torch-threads 1``): with more,
@@ -147,17 +159,19 @@ def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray,
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_unsplit(run, features, targets, splits)
+        return _train_unsplit(run, features, targets, splits, layouts)
     finally:
         torch.set_num_threads(previous)
 
 
-def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray]) -> np.ndarray:
+def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray],
+                   layouts: dict[str, InputLayout]) -> np.ndarray:
     config = run.config
     bottoms = {"bank": BottomConfig.model_validate(config["bank_bottom"])}
     bottoms |= {n: _partner_bottom(run, n) for n in features if n != "bank"}
     task = Task.from_dict(json.loads((run.bank_run_dir / "model" / "task.json").read_text()))
-    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], task)
+    model = UnsplitModel(features, bottoms, TopConfig.model_validate(config["top"]), config["aggregation"], task,
+                         layouts)
     return fit_unsplit(model, targets, splits, config, config["seed"])
 
 
@@ -191,7 +205,8 @@ def reference_models(run: Run, seed: int = 0, partition: PartyFiles = None) -> p
     trained by separate services keeps them with each partner).
     """
     task = Task.from_dict(json.loads((run.bank_run_dir / "model" / "task.json").read_text()))
-    features, y, splits = joined_features(run, partition)
+    layouts: dict[str, InputLayout] = {}
+    features, y, splits = joined_features(run, partition, layouts)
     train, test = splits["train"], splits["test"]
     everything = np.hstack(list(features.values()))
     metrics = COMPARED[task.kind]
@@ -221,5 +236,5 @@ def reference_models(run: Run, seed: int = 0, partition: PartyFiles = None) -> p
     partners_saved = all((run.model_dir(name) / "bottom-config.json").exists() for name in features if name != "bank")
     if partners_saved:
         rows.append(_scores(task, "centralised: unsplit MLP (same architecture)", "all parties", y[test],
-                            _unsplit_mlp(run, features, y, splits)))
+                            _unsplit_mlp(run, features, y, splits, layouts)))
     return pd.DataFrame(rows)

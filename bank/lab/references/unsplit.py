@@ -16,7 +16,7 @@ from torch import nn
 from bank.vertical.aggregation import get_aggregation
 from bank.config import TopConfig
 from bank.task import Task
-from parties.learning.model import BottomConfig, build_bottom, build_optimizer, mlp
+from parties.learning.model import BottomConfig, InputLayout, build_bottom, build_optimizer, mlp
 
 __all__ = ["UnsplitModel"]
 
@@ -31,11 +31,16 @@ class UnsplitModel(nn.Module):
         top: TopConfig,
         aggregation: str,
         task: Task,
+        layouts: Mapping[str, InputLayout] | None = None,
     ) -> None:
+        """``layouts``: what each party's encoded columns are (``TabularEncoder.layout``), which a bottom with
+        column embeddings is built from; default: plain numbers."""
         super().__init__()
         self.names = list(features)
         self.x = {n: torch.from_numpy(np.ascontiguousarray(features[n], dtype=np.float32)) for n in self.names}
-        self.bottoms = nn.ModuleDict({n: build_bottom(self.x[n].shape[1], bottoms[n]) for n in self.names})
+        layouts = layouts or {}
+        self.bottoms = nn.ModuleDict({n: build_bottom(layouts.get(n, self.x[n].shape[1]), bottoms[n])
+                                      for n in self.names})
         self.aggregation = get_aggregation(aggregation)
         width = self.aggregation.width([bottoms[n].cut_width for n in self.names])
         self.top = mlp(width, top.hidden, task.output_dim, activate_output=False, seed=top.seed)

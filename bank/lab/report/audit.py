@@ -49,7 +49,7 @@ from bank.lab.attacks.labels import (
 )
 from bank.lab.references.models import joined_features
 from parties.errors import DataError
-from parties.learning.model import BottomConfig, build_bottom
+from parties.learning.model import BottomConfig, InputLayout, build_bottom
 from parties.learning.trained_bottom import ScoringBottom
 from parties.tables.encoding import TabularEncoder
 
@@ -156,7 +156,7 @@ def draw_known(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
 
 def completion_leakage(
     trained: nn.Module, config: BottomConfig, features: np.ndarray, labels: np.ndarray, *, known: int = 50,
-    draws: int = 5, seed: int = 0, recipe: CompletionConfig = CompletionConfig(),
+    draws: int = 5, seed: int = 0, recipe: CompletionConfig = CompletionConfig(), layout: InputLayout | None = None,
 ) -> dict[str, float]:
     """Model completion's leak AUC, its from-scratch baseline, and what the collaboration added.
 
@@ -169,10 +169,12 @@ def completion_leakage(
     The partner's own columns predict the label by themselves: with the same labels it could reach
     ``from_scratch_leak_auc`` without any split training. ``model_completion_advantage`` (the paired
     difference, trained minus fresh) is what the trained bottom, i.e. the collaboration, gave away.
+    ``layout``: what the encoded columns are (``TabularEncoder.layout``; default: plain numbers), which a
+    bottom with column embeddings is built from.
     Each figure is a mean over the draws; ``_std`` is its spread (sample standard deviation).
     """
     labels = np.asarray(labels)
-    fresh = build_bottom(features.shape[1], config)
+    fresh = build_bottom(layout or features.shape[1], config)
     aucs: dict[str, list[float]] = {"model_completion_leak_auc": [], "from_scratch_leak_auc": []}
     # The baseline depends on the partner's columns, labels, start and recipe only: a study's settings share it.
     data = hashlib.sha256(np.ascontiguousarray(features).tobytes() + labels.tobytes()).hexdigest()
@@ -222,7 +224,8 @@ def model_completion(run: Run, known: int = 50, draws: int = 5, seed: int = 0,
             raise DataError(f"{partner}'s columns encode to width {x.shape[1]}, its model expects "
                             f"{bottom.encoder.width}: is this the partition the run was trained on?")
         out.append({"partner": partner, **completion_leakage(bottom.model, bottom.config, x, targets[train],
-                                                              known=known, draws=draws, seed=seed)})
+                                                              known=known, draws=draws, seed=seed,
+                                                              layout=bottom.encoder.layout)})
     return pd.DataFrame(out)
 
 

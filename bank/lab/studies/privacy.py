@@ -200,7 +200,7 @@ def measure(
     train = coordinator.split.train
     frame = fed.partner.features.iloc[fed.alignments["partner"].rows[train]]
     completion = completion_leakage(bottom.model, bottom.config, bottom.encoder.transform(frame), targets[train],
-                                    known=known_labels, draws=draws, seed=seed)
+                                    known=known_labels, draws=draws, seed=seed, layout=bottom.encoder.layout)
     row: dict[str, Any] = {
         "test_roc_auc": outcome.test_metrics["roc_auc"],
         "norm_leak_auc": float(np.mean([r["norm_leak_auc"] for r in per_epoch])),

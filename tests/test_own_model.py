@@ -1,0 +1,207 @@
+"""A party's own bottom model, from a factory it installs: trained, killed, resumed bit for bit, then scored.
+
+The model has batch norm (running statistics: state beside the weights) and dropout (random draws: a stream of
+the party's own that a checkpoint keeps), the two things a plain MLP never had to carry across a restart.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from bank.config import TrainingConfig
+from bank.service.operator import BankOperator
+from data.prepare import prepare_bank_marketing
+from parties.errors import ConfigError
+from parties.learning.model import BottomConfig, build_bottom
+from parties.storage.layout import model_folder
+from parties.transport.process import ServiceProcess
+from parties.transport.server import bind_socket
+from parties.transport.tls import TLSFiles
+from tests.training_helpers import saved, state_equal
+
+MODELS = '''
+from torch import nn
+
+
+def make_bottom(in_width, cut_width):
+    return nn.Sequential(nn.Linear(in_width, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(24, cut_width))
+
+
+def wrong_width(in_width, cut_width):
+    return nn.Linear(in_width, cut_width + 1)
+
+
+def not_a_module(in_width, cut_width):
+    return "a model"
+'''
+
+
+@pytest.fixture()
+def own_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``own_models.py``, importable here and by every service this test starts (as a party installs it)."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "own_models.py").write_text(MODELS)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    return folder
+
+
+class Partner:
+    """``python -m partner serve --bottom own_models:make_bottom``, in its own process, restartable on its port."""
+
+    def __init__(self, pki: Path, data: Path, state: Path) -> None:
+        sock = bind_socket()
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.args = ["--name", "partner", "--data", str(data), "--tls-dir", str(pki), "--state-dir", str(state),
+                     "--port", str(self.port), "--bottom", "own_models:make_bottom", "--cut-width", "8",
+                     "--seed", "2", "--workers", "1"]
+        self.state, self.starts = state, 0
+        self.process = self.start()
+
+    def start(self) -> ServiceProcess:
+        self.starts += 1
+        process = ServiceProcess("partner", self.args, self.state / "ready.json", self.state / f"log-{self.starts}.txt")
+        process.wait_ready()
+        return process
+
+    def kill_and_restart_later(self, delay: float = 0.5) -> None:
+        self.process.proc.send_signal(signal.SIGKILL)
+        self.process.proc.wait()
+
+        def restart() -> None:
+            time.sleep(delay)
+            self.process = self.start()
+
+        threading.Thread(target=restart, daemon=True).start()
+
+
+def _checkpointed(state: Path, past: int, other_than: str) -> bool:
+    """Whether the partner holds a checkpoint past step ``past`` of a session other than ``other_than``."""
+    for path in state.rglob("step-*.safetensors"):
+        step = re.fullmatch(r"step-(\d+)\.safetensors", path.name)
+        if step and int(step[1]) > past and other_than not in str(path):
+            return True
+    return False
+
+
+def test_an_own_bottom_with_batch_norm_and_dropout_resumes_bit_for_bit_and_scores(
+        pki, bank_full: Path, tmp_path: Path, start_bank, own_models: Path) -> None:
+    paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
+    partner = Partner(pki, paths["partner"], tmp_path / "partner")
+    # The bank brings its own bottom too: the same factory, through its training settings.
+    config = TrainingConfig(epochs=4, batch_size=64, checkpoint_every=5, patience=50, restore_best=False,
+                            bank_bottom=BottomConfig(factory="own_models:make_bottom", cut_width=8, seed=1))
+    bank = start_bank(paths["bank"], {"partner": f"https://127.0.0.1:{partner.port}"})
+    try:
+        with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
+            op.wait(op.start_alignment())
+            clean = op.wait(op.start_training(config))
+            job = op.start_training(config)
+            deadline = time.monotonic() + 120
+            while not _checkpointed(partner.state, 27, clean["session"]) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            partner.kill_and_restart_later()
+            killed = op.wait(job)
+
+            # Scoring with the resumed models: each party rebuilds its own model from its factory and files.
+            test_rows = pd.read_csv(Path(killed["run_dir"]) / "split.csv").query("split == 'test'")
+            customers = pd.read_csv(paths["bank"], dtype=str).iloc[test_rows["bank_row"].to_numpy()[:50]]
+            scoring = op.start_scoring(killed["session"], customers.drop(columns=["y"]).to_csv(index=False).encode())
+            summary = op.wait(scoring)
+            scores = pd.read_csv(io.BytesIO(op.scores(scoring.job_id)), dtype={"customer_id": str})
+    finally:
+        partner.process.stop()
+
+    assert partner.starts == 2 and killed["timings"]["rollbacks"] >= 1
+    assert killed["steps"] == clean["steps"] and killed["test"] == clean["test"]
+    for party, folder in (("partner", lambda s: model_folder(tmp_path / "partner", "bank", s)),
+                          ("bank", lambda s: Path(s["run_dir"]) / "model" / "bank")):
+        a, b = (saved(folder(run["session"] if party == "partner" else run) / "bottom.safetensors")
+                for run in (clean, killed))
+        assert state_equal(a, b), party
+        # Batch norm's running statistics are part of it, and training moved them.
+        assert any(k.endswith("running_mean") for k in a) and a["1.num_batches_tracked"] > 0, party
+        assert not torch.equal(a["1.running_mean"], torch.zeros_like(a["1.running_mean"])), party
+
+    # The scores are the run's own predictions for those customers (evaluation mode: no dropout, running stats).
+    assert summary["scored"] == 50
+    run = Path(killed["run_dir"])
+    predictions = pd.read_csv(run / "test_predictions.csv").merge(pd.read_csv(run / "split.csv"), on="position")
+    ids = pd.read_csv(paths["bank"], dtype=str)["customer_id"]
+    predictions["customer_id"] = ids.iloc[predictions["bank_row"]].to_numpy()
+    joined = predictions.merge(scores, on="customer_id", suffixes=("_run", "_scored"))
+    assert len(joined) == 50
+    assert np.allclose(joined["score_run"], joined["score_scored"], atol=1e-6)
+
+
+def test_dropout_draws_from_the_party_s_own_stream(own_models: Path) -> None:
+    """Two builds of the same seed are the same model, and drawing elsewhere does not shift their dropout."""
+    from parties.learning.bottom import BottomTrainer
+
+    x = np.random.default_rng(0).normal(size=(256, 5)).astype(np.float32)
+    config = BottomConfig(factory="own_models:make_bottom", cut_width=4, seed=7)
+    a, b = BottomTrainer(x, config), BottomTrainer(x, config)
+    assert state_equal(a.model.state_dict(), b.model.state_dict())
+    rows = torch.arange(64)
+    first = a.step(0, None, rows)
+    torch.rand(1000)  # another user of torch's default generator, between the two
+    assert torch.equal(first, b.step(0, None, rows))
+    # Dropout is on while training: the same rows embed differently on the next draw.
+    grad = torch.zeros(64, 4)
+    assert not torch.equal(a.step(1, grad, rows), first)
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("own_models:wrong_width", "maps (2, 5) to (2, 5), not (2, 4)"),
+    ("own_models:not_a_module", "returned str, not a torch module"),
+    ("own_models:absent", "own_models has no function absent"),
+    ("no_such_package.models:make", "cannot import no_such_package.models"),
+])
+def test_a_factory_that_does_not_fit_is_refused_with_its_name(own_models: Path, factory: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_bottom(5, BottomConfig(factory=factory, cut_width=4))
+
+
+def test_a_factory_replaces_the_built_in_settings_instead_of_ignoring_them() -> None:
+    with pytest.raises(ValueError, match="hidden shape the built-in bottom"):
+        BottomConfig(factory="own_models:make_bottom", hidden=(32,))
+    with pytest.raises(ValueError, match="expected MODULE:FUNCTION"):
+        BottomConfig(factory="own_models.make_bottom")
+
+
+def test_an_own_bottom_restored_with_a_pending_batch_continues_exactly(own_models: Path) -> None:
+    """Restoring recomputes the pending batch's graph: with the same dropout draws, and without counting that
+    batch twice in batch norm's running statistics."""
+    from parties.learning.bottom import BottomTrainer
+    from parties.storage.checkpoint import Checkpoint
+
+    x = np.random.default_rng(1).normal(size=(200, 6)).astype(np.float32)
+    config = BottomConfig(factory="own_models:make_bottom", cut_width=4, seed=5)
+    original = BottomTrainer(x, config)
+    grad = None
+    for step in range(3):
+        original.step(step, grad, torch.arange(20 * step, 20 * step + 20))
+        grad = torch.full((20, 4), 0.05 * (step + 1))
+    tensors, meta = original.state()
+    restored = BottomTrainer(x, config)
+    restored.load_state(Checkpoint(meta["next_step"] - 1, tensors, meta), meta)
+    assert state_equal(restored.model.state_dict(), original.model.state_dict())
+    for step in range(3, 8):
+        rows = torch.arange(20 * step, 20 * step + 20)
+        assert torch.equal(original.step(step, grad, rows), restored.step(step, grad, rows)), step
+        grad = torch.full((20, 4), -0.03 * step)
+    assert state_equal(restored.model.state_dict(), original.model.state_dict())
