@@ -17,7 +17,7 @@ def test_the_unsplit_reference_trains_on_one_thread_as_the_parties_do(monkeypatc
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        references._unsplit_mlp(None, {}, np.zeros(1), {})  # type: ignore[arg-type]
+        references._unsplit_mlp(None, {}, np.zeros(1), {}, {})  # type: ignore[arg-type]
         assert seen == [1] and torch.get_num_threads() == 2  # one thread inside, the caller's threads restored
     finally:
         torch.set_num_threads(previous)

@@ -157,6 +157,24 @@ def build_parser(prog: str = "python -m bank.lab") -> argparse.ArgumentParser:
     pb.add_argument("--json", type=Path, default=None, help="also write the figures here")
     add_log_level(pb)
 
+    tb = command(sub, "tables", "SIMULATION ONLY: the split model's built-in settings against centralised "
+                 "HistGradientBoosting, a linear model and the bank-only model, on bank-full, a generated credit "
+                 "table, a regression and a multiclass table", handler=lab_commands.tables)
+    tb.add_argument("--out", type=Path, default=Path("runs/tables"),
+                    help="folder for tables.json and tables.csv (default %(default)s)")
+    tb.add_argument("--tables", default=None, metavar="NAME,NAME",
+                    help="the tables to compare (default: bank-full,credit,diabetes,wine)")
+    tb.add_argument("--settings", default=None, metavar="NAME,NAME",
+                    help="the built-in bottom settings to compare (default: default,ple,periodic,categories,"
+                         "ple+categories; the first is the baseline of the step costs)")
+    tb.add_argument("--epochs", type=int, default=None, help="at most this many epochs (default: the training "
+                    "default, with its early stopping)")
+    tb.add_argument("--seed", type=int, default=0, help="seed of the splits and the batch order (default %(default)s)")
+    tb.add_argument("--no-step-costs", action="store_true", help="skip timing the bottoms' training steps")
+    tb.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    tb.add_argument("--no-download", action="store_true", help="use the cached bank-full.csv only")
+    add_log_level(tb)
+
     sb = command(sub, "scale-bench", "generate a synthetic bank and N partners, run them end to end as services, "
                                      "and time every stage", handler=lab_commands.scale_bench)
     sb.add_argument("--customers", type=int, default=1_000_000, help="the bank's customers (default %(default)s)")

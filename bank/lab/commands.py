@@ -191,6 +191,26 @@ def scale_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def tables(args: argparse.Namespace) -> int:
+    from bank.config import TrainingConfig
+    from bank.lab.bench.tables import SETTINGS, TABLES, report, run
+
+    def names(given: str | None, known: dict[str, object], flag: str) -> list[str]:
+        chosen = list(known) if given is None else [n.strip() for n in given.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in known]
+        if unknown or not chosen:
+            raise ConfigError(f"{flag}: {', '.join(unknown) or 'none given'}; choose from {', '.join(known)}")
+        return chosen
+
+    config = TrainingConfig(seed=args.seed, **({"epochs": args.epochs} if args.epochs is not None else {}))
+    results = run(args.out, names(args.tables, TABLES, "--tables"), names(args.settings, SETTINGS, "--settings"),
+                  config, cache=args.cache_dir, download=not args.no_download, costs=not args.no_step_costs,
+                  progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(report(results))
+    print(f"\nwritten: {args.out / 'tables.json'}, {args.out / 'tables.csv'}")
+    return 0
+
+
 def config_bench(args: argparse.Namespace) -> int:
     from bank.configurations.commands import configuration_settings
     from bank.lab.bench.configurations import format_config_bench, run_config_bench

@@ -176,9 +176,9 @@ def _train_unsplit(run: Run, features: dict[str, np.ndarray], targets: np.ndarra
 
 
 def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.ndarray], config: dict[str, Any],
-                seed: int) -> np.ndarray:
+                seed: int, book: EpochBook | None = None) -> np.ndarray:
     """Train ``model`` with the run's schedule (batches from ``seed``), early stopping on the task's objective and
-    the run's ``restore_best``; its test scores."""
+    the run's ``restore_best``; its test scores. ``book``, if given, keeps the epochs' validation scores."""
     task = model.task
     y = torch.from_numpy(targets.astype(np.int64 if task.kind == "multiclass" else np.float32))
     val, test = (torch.from_numpy(splits[k]) for k in ("val", "test"))
@@ -191,7 +191,7 @@ def fit_unsplit(model: UnsplitModel, targets: np.ndarray, splits: dict[str, np.n
         with torch.no_grad():
             return task.metrics(y[val], task.scores(model(val)))
 
-    train_epochs(EpochBook(config["patience"], task.objective), config["epochs"], steps, validate,
+    train_epochs(book or EpochBook(config["patience"], task.objective), config["epochs"], steps, validate,
                  state=model.state_dict, restore=model.load_state_dict if config.get("restore_best", True) else None)
     with torch.no_grad():
         return task.scores(model(test))
