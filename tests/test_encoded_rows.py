@@ -3,6 +3,8 @@ encoding of the whole table does, and count the same fallbacks."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -112,3 +114,33 @@ def test_a_chunk_of_nothing_but_missing_values_encodes_as_missing() -> None:
         assert torch.equal(rows.all(), torch.from_numpy(expected[-len(rows):]))
     assert encoder.encode_rows(frame, chunk=2)[1] == fallbacks == {"job": {MISSING_CATEGORY: 2},
                                                                    "code": {MISSING_CATEGORY: 3}}
+
+
+def test_piecewise_linear_bins_are_fitted_on_training_rows_and_saved_with_the_encoder() -> None:
+    """Quantile edges from the training rows; component t is 0 below bin t, 1 above, linear inside, the first
+    bin open below and the last above; the saved encoder rebuilds the same rows."""
+    train = pd.DataFrame({"x": [0.0, 0.0, 1.0, 1.0, 2.0, 2.0], "k": ["a", "b", "a", "b", "a", "b"]})
+    encoder = TabularEncoder(FeatureSchema(("x",), ("k",)), bins=2).fit(train)
+    assert encoder.edges_ == {"x": [0.0, 1.0, 2.0]}
+    assert encoder.layout.numeric == (2,) and encoder.layout.categories == (2,) and encoder.width == 4
+    assert encoder.feature_names() == ["x[bin 0]", "x[bin 1]", "k=a", "k=b"]
+    new = pd.DataFrame({"x": [0.5, 1.5, -1.0, 3.0, None], "k": ["a", "b", "c", "a", "b"]})
+    rows, fallbacks = encoder.encode_rows(new)
+    expected = [[0.5, 0, 1, 0], [1, 0.5, 0, 1], [-1, 0, 0, 0], [1, 2, 1, 0]]
+    mean = 1.0  # a missing number takes the training mean: inside bin 1, at its start
+    expected.append([1, (mean - 1.0), 0, 1])
+    assert torch.allclose(rows.all(), torch.tensor(expected, dtype=torch.float32), atol=1e-6)
+    assert fallbacks == {"x": {MISSING_NUMBER: 1}, "k": {UNSEEN: 1}}
+    saved = TabularEncoder.from_dict(json.loads(json.dumps(encoder.to_dict())))
+    assert torch.equal(saved.encode_rows(new)[0].all(), rows.all())
+    # Without bins the encoder and its file are as they always were: z-scores, no edges saved.
+    plain = TabularEncoder(FeatureSchema(("x",), ("k",))).fit(train)
+    assert "bins" not in plain.to_dict() and plain.layout.numeric == (1,)
+
+
+def test_a_column_with_one_value_keeps_its_z_score_under_bins() -> None:
+    train = pd.DataFrame({"same": [4.0] * 5, "x": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    encoder = TabularEncoder(FeatureSchema(("same", "x"), ()), bins=4).fit(train)
+    assert encoder.layout.numeric == (1, 4)
+    rows, _ = encoder.encode_rows(pd.DataFrame({"same": [4.0, 6.0], "x": [3.0, 3.0]}))
+    assert rows.all()[:, 0].tolist() == [0.0, 2.0]  # (value - mean) / 1: a constant column has scale 1

@@ -96,6 +96,8 @@ class BottomTrainer:
             config.seed if config.seed is not None else int(self.secret.numpy("model randomness").integers(1 << 62)))
         self._random_pending: torch.Tensor | None = None  # the stream before the pending embedding was computed
         self._params = list(self.model.parameters())
+        # The fast path serves the plain MLP it was verified on; any other model trains on torch's public calls.
+        self._verified = config.built_in and isinstance(self.model, torch.nn.Sequential)
         self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0
         self._pending: torch.Tensor | None = None
@@ -192,7 +194,7 @@ class BottomTrainer:
                 if self.local_batch is None:
                     fast_path.clear_grads(self._params)
                     self._backward(self._pending, grad, self._pending_index, self._pending_clean)
-                    fast_path.optimizer_step(self.optimizer)
+                    self._optimizer_step()
                 else:
                     self._local_updates(self._pending_index, grad, self._pending.detach())
                 # They go together: a checkpoint saves the pending rows, and a restore rebuilds from them.
@@ -253,7 +255,7 @@ class BottomTrainer:
             grad = grad * F.cosine_similarity(z.detach(), answered, dim=1).clamp_(min=0.0)[:, None]
         fast_path.clear_grads(self._params)
         self._backward(z, grad, rows, z)
-        fast_path.optimizer_step(self.optimizer)
+        self._optimizer_step()
 
     def _forward(self, rows: torch.Tensor) -> torch.Tensor:
         """The embedding of ``rows`` in training mode; a party's own model draws from its own stream."""
@@ -262,11 +264,20 @@ class BottomTrainer:
         with self.random.drawing():
             return self.model(self.x.take(rows))
 
+    def _optimizer_step(self) -> None:
+        if self._verified:
+            fast_path.optimizer_step(self.optimizer)
+        else:
+            self.optimizer.step()
+
     def _backward(self, z: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, clean: torch.Tensor | None) -> None:
         """Accumulate the gradient of the bank's loss through ``z`` (the embedding as released), and with NoPeek
         that of α·dCor(features of ``rows``, ``clean``), ``clean`` being ``z`` before any DP noise."""
         if self.nopeek is None:
-            fast_path.backward(z, grad)
+            if self._verified:
+                fast_path.backward(z, grad)
+            else:
+                torch.autograd.backward(z, grad)
             return
         assert clean is not None
         penalty = self.nopeek.penalty(self.x.take(rows), clean)

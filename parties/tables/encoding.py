@@ -255,8 +255,8 @@ class TabularEncoder:
 
     def feature_names(self) -> list[str]:
         names = []
-        for col, parts in zip(self.schema.numeric, self.layout.numeric):
-            names += [col] if parts == 1 and col not in self.edges_ else [f"{col}[bin {t}]" for t in range(parts)]
+        for col, edges in zip(self.schema.numeric, self._z_edges() or [None] * len(self.schema.numeric)):
+            names += [col] if edges is None else [f"{col}[bin {t}]" for t in range(len(edges) - 1)]
         for col, cats in self.categories_.items():
             names += [f"{col}={c}" for c in cats]
         return names

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from bank.config import TopConfig, TrainingConfig, default_batch_size
+from bank.config import TrainingConfig, default_batch_size
 from bank.epochs import EpochBook
 from bank.lab.references.models import fit_unsplit
 from bank.lab.references.unsplit import UnsplitModel
@@ -87,7 +87,7 @@ def bank_full(cache: Path | None = None, download: bool = True) -> BenchTable:
             frame[column] = numbers
     bank, _ = (p.columns for p in bank_marketing_spec(1).parties)
     categorical = [c for c in frame.columns if not pd.api.types.is_numeric_dtype(frame[c]) and c != "y"]
-    return BenchTable("bank-full", "binary", frame, "y", list(bank), categorical)
+    return BenchTable("bank-full", "binary", frame, "y", list(bank), categorical, repeats=3)
 
 
 def credit(rows: int = 20_000, seed: int = 0) -> BenchTable:
@@ -111,7 +111,7 @@ def credit(rows: int = 20_000, seed: int = 0) -> BenchTable:
     })
     frame.loc[rng.random(rows) < 0.08, "salary"] = np.nan
     return BenchTable("credit (generated)", "binary", frame, "defaulted", ["sex", "education", "status", "age", "limit"],
-                      ["sex", "education", "status", "channel"])
+                      ["sex", "education", "status", "channel"], repeats=3)
 
 
 def diabetes() -> BenchTable:
