@@ -144,3 +144,21 @@ def test_a_column_with_one_value_keeps_its_z_score_under_bins() -> None:
     assert encoder.layout.numeric == (1, 4)
     rows, _ = encoder.encode_rows(pd.DataFrame({"same": [4.0, 6.0], "x": [3.0, 3.0]}))
     assert rows.all()[:, 0].tolist() == [0.0, 2.0]  # (value - mean) / 1: a constant column has scale 1
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"bins": 10**6}, "whole number from 0 to 256"),
+    ({"bins": 2.5}, "whole number from 0 to 256"),
+    ({"edges": {"x": [0.0, float("nan"), 2.0]}}, "finite, increasing"),
+    ({"edges": {"x": [2.0, 1.0, 0.0]}}, "finite, increasing"),
+    ({"edges": {"x": [0.0, 1.0, 2.0, 3.0, 4.0]}}, "at most 3"),
+    ({"edges": {"x": ["0", "1"]}}, "finite, increasing"),
+    ({"edges": {}}, "do not name its numeric columns"),
+    ({"bins": 0}, "do not name its numeric columns"),
+])
+def test_bin_edges_from_a_file_or_a_peer_are_checked(change: dict, message: str) -> None:
+    """A horizontal configuration's branch reads the bank's encoder: its bins are checked like every field."""
+    train = pd.DataFrame({"x": [0.0, 1.0, 2.0, 3.0], "k": ["a", "b", "a", "b"]})
+    state = TabularEncoder(FeatureSchema(("x",), ("k",)), bins=2).fit(train).to_dict() | change
+    with pytest.raises(ValueError, match=message):
+        TabularEncoder.from_dict(json.loads(json.dumps(state)))

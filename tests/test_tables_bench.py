@@ -18,7 +18,7 @@ from bank.lab.bench import tables
 
 
 def _lab(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bank.lab", "tables", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "bank.lab", "tables", *args], cwd=cwd, capture_output=True, check=False,
                           text=True, timeout=600)
 
 

@@ -326,10 +326,29 @@ class TabularEncoder:
     def from_dict(cls, state: dict[str, Any]) -> TabularEncoder:
         schema = FeatureSchema(tuple(state["numeric"]), tuple(state["categorical"]))
         encoder = cls(schema, dict(state["categories"]), dict(state["means"]), dict(state["scales"]),
-                      dict(state.get("profile") or {}), int(state.get("bins", 0)), dict(state.get("edges") or {}))
-        if encoder.bins and set(encoder.edges_) != set(schema.numeric):
-            raise ValueError("the encoder's bin edges do not name its numeric columns")
+                      dict(state.get("profile") or {}), state.get("bins", 0), dict(state.get("edges") or {}))
+        _check_bins(encoder)
         return encoder
+
+
+#: The most quantile bins an encoder may have per numeric column (``BottomConfig.bins``' bound).
+MAX_BINS = 256
+
+
+def _check_bins(encoder: TabularEncoder) -> None:
+    """Bins read from a file or a peer: a count in [0, MAX_BINS], and per numeric column at most bins + 1 finite,
+    strictly increasing edges (none without bins)."""
+    bins = encoder.bins
+    if type(bins) is not int or not 0 <= bins <= MAX_BINS:
+        raise ValueError(f"the encoder's bins must be a whole number from 0 to {MAX_BINS}")
+    if set(encoder.edges_) != (set(encoder.schema.numeric) if bins else set()):
+        raise ValueError("the encoder's bin edges do not name its numeric columns")
+    for col, edges in encoder.edges_.items():
+        values = np.asarray(edges, dtype=np.float64) if isinstance(edges, list) and all(
+            type(e) in (int, float) for e in edges) else None
+        if values is None or not 1 <= len(values) <= bins + 1 or not np.isfinite(values).all() or (
+                np.diff(values) <= 0).any():
+            raise ValueError(f"the encoder's bin edges for {col!r} are not at most {bins + 1} finite, increasing numbers")
 
 
 def merge_fallbacks(total: Fallbacks, more: Fallbacks) -> Fallbacks:
