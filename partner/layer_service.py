@@ -85,7 +85,7 @@ def _read_encoder(state: dict[str, Any], own: FeatureSchema, max_width: int) -> 
         raise BadMessage("the shared encoder is not readable (its columns must be lists of names)")
     try:
         encoder = TabularEncoder.from_dict(dict(state))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise BadMessage(f"the shared encoder is not readable ({exc})") from exc
     if set(encoder.schema.numeric) != set(own.numeric) or set(encoder.schema.categorical) != set(own.categorical):
         raise DataError(
@@ -99,6 +99,8 @@ def _read_encoder(state: dict[str, Any], own: FeatureSchema, max_width: int) -> 
         cats = encoder.categories_[col]
         if not _names(cats) or len(set(cats)) != len(cats):
             raise BadMessage(f"the categories of {col!r} are not a list of distinct strings")
+    if encoder.bins:  # a configuration's bottom is the plain MLP over one-hot and z-scores
+        raise BadMessage("the shared encoder has quantile bins: a configuration's bottom takes z-scores")
     width = len(encoder.schema.numeric) + sum(len(encoder.categories_[c]) for c in encoder.schema.categorical)
     if width > max_width:
         raise ConfigError(f"the shared encoder is {width} columns wide; this service holds layers of at most "

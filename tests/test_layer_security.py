@@ -401,8 +401,12 @@ def test_a_too_wide_encoder_is_refused_before_the_branch_encodes_a_row(branch, c
     ({"numeric": "age"}, "the shared encoder is not readable (its columns must be lists of names)"),
     ({"numeric": [["age"]]}, "the shared encoder is not readable (its columns must be lists of names)"),
     ({"numeric": ["age"]}, "the shared encoder's columns (numeric ['age'], categorical ['job']) are not"),
+    # Bins would widen every row past what the width check counts: a configuration's bottom takes z-scores.
+    ({"bins": 256, "edges": {"age": list(range(257)), "balance": list(range(257))}},
+     "the shared encoder has quantile bins"),
+    ({"bins": 2, "edges": {"age": [0, 10**400], "balance": [0, 1]}}, "the shared encoder is not readable"),
 ], ids=["no-categories", "categories-string", "duplicate-categories", "categories-not-a-map", "mean-string",
-        "zero-scale", "no-mean", "numeric-string", "numeric-nested", "other-columns"])
+        "zero-scale", "no-mean", "numeric-string", "numeric-nested", "other-columns", "bins", "huge-edge"])
 def test_a_malformed_encoder_is_a_clear_refusal(branch, clients, encoder, change, reason) -> None:
     body = bottom({**encoder, **change}).model_dump(mode="json")
     response = _start_json(branch, clients["bank"], body)

@@ -7,6 +7,7 @@ the party's own that a checkpoint keeps), the two things a plain MLP never had t
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -23,7 +24,9 @@ from bank.config import TrainingConfig
 from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import ConfigError
+from parties.learning.config import LocalSteps, PrivacyConfig
 from parties.learning.model import BottomConfig, build_bottom
+from parties.learning.trained_bottom import read_bottom_config
 from parties.storage.layout import model_folder
 from parties.transport.process import ServiceProcess
 from parties.transport.server import bind_socket
@@ -37,6 +40,10 @@ from torch import nn
 def make_bottom(in_width, cut_width):
     return nn.Sequential(nn.Linear(in_width, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Dropout(0.3),
                          nn.Linear(24, cut_width))
+
+
+def left_in_eval_mode(in_width, cut_width):
+    return make_bottom(in_width, cut_width).eval()
 
 
 def wrong_width(in_width, cut_width):
@@ -127,6 +134,10 @@ def test_an_own_bottom_with_batch_norm_and_dropout_resumes_bit_for_bit_and_score
         partner.process.stop()
 
     assert partner.starts == 2 and killed["timings"]["rollbacks"] >= 1
+    # The same settings saved twice, each under a salt of the partner's own: the digests the bank holds differ.
+    folders = [model_folder(tmp_path / "partner", "bank", run["session"]) for run in (clean, killed)]
+    assert len({read_bottom_config((f / "bottom-config.json").read_bytes()) for f in folders}) == 1
+    assert len({json.loads((f / "files.json").read_text())["bottom-config.json"] for f in folders}) == 2
     assert killed["steps"] == clean["steps"] and killed["test"] == clean["test"]
     for party, folder in (("partner", lambda s: model_folder(tmp_path / "partner", "bank", s)),
                           ("bank", lambda s: Path(s["run_dir"]) / "model" / "bank")):
@@ -177,27 +188,41 @@ def test_a_factory_that_does_not_fit_is_refused_with_its_name(own_models: Path, 
 
 
 def test_a_factory_replaces_the_built_in_settings_instead_of_ignoring_them() -> None:
-    with pytest.raises(ValueError, match="hidden shape the built-in bottom"):
-        BottomConfig(factory="own_models:make_bottom", hidden=(32,))
+    for given in ({"hidden": (32,)}, {"hidden": (64,)}, {"bins": 8}, {"category_width": 0}):  # defaults too
+        with pytest.raises(ValueError, match=f"{next(iter(given))}: a setting of the built-in bottom"):
+            BottomConfig(factory="own_models:make_bottom", **given)
+    # Its own settings go through a file, a checkpoint or the bank's request and back without the built-in ones.
+    own = BottomConfig(factory="own_models:make_bottom", cut_width=8, seed=3, learning_rate=1e-3)
+    assert "hidden" not in own.model_dump() and BottomConfig.model_validate_json(own.model_dump_json()) == own
     with pytest.raises(ValueError, match="expected MODULE:FUNCTION"):
         BottomConfig(factory="own_models.make_bottom")
 
 
-def test_an_own_bottom_restored_with_a_pending_batch_continues_exactly(own_models: Path) -> None:
+@pytest.mark.parametrize(("factory", "local", "privacy"), [
+    ("own_models:make_bottom", None, None),
+    ("own_models:left_in_eval_mode", None, None),  # a factory's mode is not the trainer's: it trains in training mode
+    ("own_models:left_in_eval_mode", LocalSteps(steps=2, batch=10, reuse=1), None),
+    # NoPeek and embedding noise: the restored graph clips twice, as the step did, or its sums differ in the last bit
+    ("own_models:make_bottom", None, PrivacyConfig(clip=1.0, noise=0.1, nopeek=0.1, seed=5)),
+    (None, None, PrivacyConfig(clip=1.0, noise=0.1, nopeek=0.1, seed=5)),
+], ids=["exact", "eval-mode-factory", "eval-mode-factory-local-steps", "nopeek+noise", "built-in-nopeek+noise"])
+def test_an_own_bottom_restored_with_a_pending_batch_continues_exactly(
+        own_models: Path, factory: str | None, local: LocalSteps | None, privacy: PrivacyConfig | None) -> None:
     """Restoring recomputes the pending batch's graph: with the same dropout draws, and without counting that
     batch twice in batch norm's running statistics."""
     from parties.learning.bottom import BottomTrainer
     from parties.storage.checkpoint import Checkpoint
 
     x = np.random.default_rng(1).normal(size=(200, 6)).astype(np.float32)
-    config = BottomConfig(factory="own_models:make_bottom", cut_width=4, seed=5)
-    original = BottomTrainer(x, config)
+    config = BottomConfig(factory=factory, cut_width=4, seed=5)
+    original = BottomTrainer(x, config, privacy, local=local)
+    assert original.model.training
     grad = None
     for step in range(3):
         original.step(step, grad, torch.arange(20 * step, 20 * step + 20))
         grad = torch.full((20, 4), 0.05 * (step + 1))
     tensors, meta = original.state()
-    restored = BottomTrainer(x, config)
+    restored = BottomTrainer(x, config, privacy, local=local)
     restored.load_state(Checkpoint(meta["next_step"] - 1, tensors, meta), meta)
     assert state_equal(restored.model.state_dict(), original.model.state_dict())
     for step in range(3, 8):
@@ -205,3 +230,21 @@ def test_an_own_bottom_restored_with_a_pending_batch_continues_exactly(own_model
         assert torch.equal(original.step(step, grad, rows), restored.step(step, grad, rows)), step
         grad = torch.full((20, 4), -0.03 * step)
     assert state_equal(restored.model.state_dict(), original.model.state_dict())
+
+
+def test_embeddings_of_a_party_without_numeric_or_categorical_columns() -> None:
+    """Nothing to embed on one side: the other side's embedding alone, or the plain MLP."""
+    from parties.learning.model import InputLayout, TabularBottom
+
+    categories_only = InputLayout((), (3, 2))
+    model = build_bottom(categories_only, BottomConfig(numeric_embedding="ple", category_width=4))
+    assert isinstance(model, TabularBottom) and model(torch.eye(5)[:, :5]).shape == (5, 16)
+    plain = build_bottom(categories_only, BottomConfig(numeric_embedding="periodic"))
+    assert isinstance(plain, torch.nn.Sequential)  # the plain MLP: no numbers to embed
+    assert isinstance(build_bottom(InputLayout((1, 1)), BottomConfig(category_width=4)), torch.nn.Sequential)
+
+
+def test_a_factory_whose_module_fails_to_import_is_a_clear_error(own_models: Path) -> None:
+    (own_models / "broken_models.py").write_text("def make(:\n")
+    with pytest.raises(ConfigError, match="importing broken_models failed: SyntaxError"):
+        build_bottom(5, BottomConfig(factory="broken_models:make", cut_width=4))

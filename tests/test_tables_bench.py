@@ -46,7 +46,9 @@ def test_the_benchmark_compares_every_model_on_the_same_rows(tmp_path: Path) -> 
     assert np.allclose(wine["test_each_split"]["centralised: HistGradientBoosting"], figures, atol=1e-9)
     csv = pd.read_csv(tmp_path / "out" / "tables.csv")
     assert len(csv) == len(wine["test"]) + len(diabetes["test"])
-    assert "<- best built-in on validation" in done.stdout and "diabetes (regression)" in done.stdout
+    assert "<- best built-in on validation" in done.stdout and "diabetes (442 rows, regression" in done.stdout
+    assert results["training"]["epochs"] == 3 and "at most 3 epochs" in done.stdout
+    assert diabetes["validation_objective"] == {"name": "mse", "better": "min"}
 
 
 def test_unknown_tables_and_settings_are_refused_by_name(tmp_path: Path) -> None:

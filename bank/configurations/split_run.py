@@ -59,6 +59,20 @@ class ConfigurationSettings(BaseModel):
     audit: bool = Field(False, description="record what crossed each cut and report what each party could infer "
                         "from it (the leakage audit)")
 
+    @model_validator(mode="after")
+    def _built_in_bottom(self) -> ConfigurationSettings:
+        """These configurations' bottoms are the built-in MLP over one-hot and z-scores, built where the rows are
+        (a branch, the data owner): a factory or column embeddings would be dropped on the way, so they are
+        refused."""
+        default = BottomConfig()
+        own = [f for f in ("factory", "numeric_embedding", "category_width")
+               if getattr(self.bottom, f) != getattr(default, f)]
+        if own:
+            raise ValueError(f"bottom: {', '.join(own)}: the {self.configuration} configuration's bottom is the "
+                             "built-in MLP (hidden, cut_width, optimizer, seed); your own model and column "
+                             "embeddings are vertical training's")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _fixed_batch(cls, values: Any) -> Any:

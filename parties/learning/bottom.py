@@ -90,7 +90,7 @@ class BottomTrainer:
         # Initial weights a counterparty can rebuild let a bank that keeps them from moving (gradients too
         # small for the optimizer to act on) invert every embedding: a seed of None draws them from the secret.
         init = int(self.secret.numpy("initial weights").integers(1 << 62)) if config.seed is None else None
-        self.model = build_bottom(self.x.layout, config, seed=init)
+        self.model = build_bottom(self.x.layout, config, seed=init).train()  # whatever mode a factory left it in
         # A party's own model may draw random numbers (dropout): from a stream of its own, saved with its state.
         self.random = None if config.built_in else Randomness(
             config.seed if config.seed is not None else int(self.secret.numpy("model randomness").integers(1 << 62)))
@@ -402,6 +402,7 @@ class BottomTrainer:
             # Recomputing the pending embedding must not count its batch twice in the model's own statistics
             # (batch norm's running means, saved after that batch): they are put back as saved.
             saved = {k: b.clone() for k, b in self.model.named_buffers()}
+            self.model.train()
             if rows is not None and self.local is not None:  # no graph: each local step recomputes its batch
                 self._pending, self._pending_index = checkpoint.tensors["pending.z"], rows
                 with torch.no_grad():
@@ -413,8 +414,11 @@ class BottomTrainer:
                 z = self._forward(rows)
                 clean = z
                 if self.dp is not None:
-                    clean = self.dp.clipped(z)
-                    z = clean + (checkpoint.tensors["last.out"] - clean).detach()
+                    # The graph the step built: NoPeek's clipped copy first, then the release's own clipping.
+                    clean = self.dp.clipped(z) if self.nopeek is not None else None
+                    released = self.dp.clipped(z)
+                    z = released + (checkpoint.tensors["last.out"] - released).detach()
+                    clean = released if clean is None else clean
                 self._pending, self._pending_index = z, rows
                 self._pending_clean = clean if self.nopeek is not None else None
                 self._pending_active = (clean.detach() > 0).to(z.dtype) if self._relu_output else None

@@ -7,9 +7,9 @@ settings classes can state their defaults without importing torch.
 from __future__ import annotations
 
 import argparse
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from parties.flags import Flag
 
@@ -27,6 +27,10 @@ class OptimizerConfig(BaseModel):
     learning_rate: Annotated[float, Flag("lr")] = Field(5e-3, gt=0, description="learning rate")
     weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
 
+
+#: ``BottomConfig``'s settings of the built-in bottom only: refused beside a factory.
+BUILT_IN_ONLY = ("hidden", "numeric_embedding", "bins", "frequencies", "frequency_scale", "numeric_width",
+                 "category_width")
 
 #: How the built-in bottom takes its numeric columns (``parties.learning.model``; Gorishniy et al., NeurIPS 2022):
 #: as z-scores, piecewise-linear over quantile bins of the training rows, or through learned periodic features.
@@ -68,6 +72,16 @@ class BottomConfig(OptimizerConfig):
     def built_in(self) -> bool:
         return self.factory is None
 
+    @model_serializer(mode="wrap")
+    def _without_built_in(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """With a factory, the built-in bottom's settings are not this model's: they are not written (a file, a
+        checkpoint, the bank's request), so reading it back does not take them for settings given."""
+        data = handler(self)
+        if self.factory is not None:
+            for name in BUILT_IN_ONLY:
+                data.pop(name, None)
+        return data
+
     @property
     def encoder_bins(self) -> int:
         """Quantile bins the party's encoder fits per numeric column (0: none, z-scores only)."""
@@ -80,11 +94,10 @@ class BottomConfig(OptimizerConfig):
             if not (module and function and all(p.isidentifier() for p in (*module.split("."), function))):
                 raise ValueError(f"bottom factory {self.factory!r}: expected MODULE:FUNCTION, e.g. "
                                  "mypkg.models:make_bottom")
-            built_in = [f for f in ("hidden", "numeric_embedding", "category_width")
-                        if getattr(self, f) != type(self).model_fields[f].default]
-            if built_in:
-                raise ValueError(f"{', '.join(built_in)} shape the built-in bottom; your own ({self.factory}) "
-                                 "decides its own architecture")
+            given = [f for f in BUILT_IN_ONLY if f in self.model_fields_set]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a setting of the built-in bottom, not of your own "
+                                 f"({self.factory}), which decides its own architecture; leave it out")
         return self
 
 

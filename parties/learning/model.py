@@ -62,7 +62,8 @@ class TabularBottom(nn.Module):
 
     def __init__(self, layout: InputLayout, config: BottomConfig, seed: int) -> None:
         super().__init__()
-        self.layout, self.mode = layout, config.numeric_embedding
+        # Without numeric columns there is nothing to embed but the categories.
+        self.layout, self.mode = layout, config.numeric_embedding if layout.numeric else "none"
         generator = torch.Generator().manual_seed(seed)
         m = len(layout.numeric)
         self.numeric_in = sum(layout.numeric)
@@ -136,6 +137,9 @@ def load_factory(name: str) -> Callable[[int, int], nn.Module]:
     except ImportError as exc:
         raise ConfigError(f"bottom factory {name}: cannot import {module_name} ({exc}); install it where this "
                           "party runs") from None
+    except Exception as exc:  # the party's own code failed as it was imported (a syntax error, say)
+        raise ConfigError(f"bottom factory {name}: importing {module_name} failed: {type(exc).__name__}: "
+                          f"{exc}") from None
     factory = getattr(module, function, None)
     if not callable(factory):
         raise ConfigError(f"bottom factory {name}: {module_name} has no function {function}")
@@ -207,8 +211,9 @@ def build_bottom(inputs: int | InputLayout, config: BottomConfig, seed: int | No
     encoded columns' layout (``EncodedRows.layout``, ``TabularEncoder.layout``), or a width of plain numbers.
     ``seed`` overrides the config's: a config whose seed is None (the party's secret) needs it.
 
-    The defaults give the plain MLP (``mlp``); column embeddings give a ``TabularBottom``; a factory, the
-    party's own module, built with torch's default generator seeded from ``seed`` and checked on a batch.
+    The defaults give the plain MLP (``mlp``), as does ``category_width`` without categorical columns; column
+    embeddings give a ``TabularBottom``; a factory, the party's own module, built with torch's default generator
+    seeded from ``seed`` and checked on a batch.
     """
     seed = config.seed if seed is None else seed
     if seed is None:
@@ -216,8 +221,8 @@ def build_bottom(inputs: int | InputLayout, config: BottomConfig, seed: int | No
     layout = InputLayout.dense(inputs) if isinstance(inputs, int) else inputs
     if config.factory is not None:
         return _own_bottom(layout.width, config, seed)
-    if config.numeric_embedding == "none" and not config.category_width:
-        return mlp(layout.width, config.hidden, config.cut_width, activate_output=True, seed=seed)
+    if (config.numeric_embedding == "none" or not layout.numeric) and not (config.category_width and layout.categories):
+        return mlp(layout.width, config.hidden, config.cut_width, activate_output=True, seed=seed)  # nothing to embed
     return TabularBottom(layout, config, seed)
 
 

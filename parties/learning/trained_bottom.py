@@ -20,9 +20,17 @@ from parties.errors import DataError
 from parties.learning.model import BottomConfig, build_bottom
 from parties.tables.encoding import EncodedRows, TabularEncoder
 
-__all__ = ["MODEL_FILES", "ScoringBottom", "verify_files"]
+__all__ = ["MODEL_FILES", "ScoringBottom", "read_bottom_config", "verify_files"]
 
 MODEL_FILES = ("bottom.safetensors", "encoder.json", "bottom-config.json")
+
+
+def read_bottom_config(data: bytes | str) -> BottomConfig:
+    """A party's ``bottom-config.json``: its settings, and the salt that keeps the file's digest unguessable."""
+    state = json.loads(data)
+    if isinstance(state, dict):
+        state.pop("salt", None)
+    return BottomConfig.model_validate(state)
 
 
 def verify_files(folder: Path, expected: dict[str, str], names: tuple[str, ...] = MODEL_FILES) -> dict[str, bytes]:
@@ -53,7 +61,7 @@ class ScoringBottom:
         blobs = verify_files(folder, expected)
         try:
             self.encoder = TabularEncoder.from_dict(json.loads(blobs["encoder.json"]))
-            self.config = BottomConfig.model_validate_json(blobs["bottom-config.json"])
+            self.config = read_bottom_config(blobs["bottom-config.json"])
             weights = load_tensors(blobs["bottom.safetensors"])
         except (ValueError, KeyError, SafetensorError) as exc:
             raise DataError(f"{folder}: unreadable model files ({exc})") from exc

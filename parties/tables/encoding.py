@@ -344,8 +344,11 @@ def _check_bins(encoder: TabularEncoder) -> None:
     if set(encoder.edges_) != (set(encoder.schema.numeric) if bins else set()):
         raise ValueError("the encoder's bin edges do not name its numeric columns")
     for col, edges in encoder.edges_.items():
-        values = np.asarray(edges, dtype=np.float64) if isinstance(edges, list) and all(
-            type(e) in (int, float) for e in edges) else None
+        try:
+            values = np.asarray(edges, dtype=np.float64) if isinstance(edges, list) and all(
+                type(e) in (int, float) for e in edges) else None
+        except OverflowError:  # an integer past float64
+            values = None
         if values is None or not 1 <= len(values) <= bins + 1 or not np.isfinite(values).all() or (
                 np.diff(values) <= 0).any():
             raise ValueError(f"the encoder's bin edges for {col!r} are not at most {bins + 1} finite, increasing numbers")

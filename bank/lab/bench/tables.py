@@ -110,7 +110,7 @@ def credit(rows: int = 20_000, seed: int = 0) -> BenchTable:
         "defaulted": np.where(rng.random(rows) < 1 / (1 + np.exp(-logit)), "yes", "no"),
     })
     frame.loc[rng.random(rows) < 0.08, "salary"] = np.nan
-    return BenchTable("credit (generated)", "binary", frame, "defaulted", ["sex", "education", "status", "age", "limit"],
+    return BenchTable("credit", "binary", frame, "defaulted", ["sex", "education", "status", "age", "limit"],
                       ["sex", "education", "status", "channel"], repeats=3)
 
 
@@ -120,7 +120,7 @@ def diabetes() -> BenchTable:
     from sklearn.datasets import load_diabetes
 
     frame = load_diabetes(as_frame=True, scaled=False).frame
-    return BenchTable("diabetes (regression)", "regression", frame, "target", ["age", "sex", "bmi", "bp"], ["sex"],
+    return BenchTable("diabetes", "regression", frame, "target", ["age", "sex", "bmi", "bp"], ["sex"],
                       repeats=5)
 
 
@@ -130,7 +130,7 @@ def wine() -> BenchTable:
 
     frame = load_wine(as_frame=True).frame
     frame["target"] = frame["target"].map({0: "a", 1: "b", 2: "c"})
-    return BenchTable("wine (multiclass)", "multiclass", frame, "target", list(frame.columns[:6]), [], repeats=5)
+    return BenchTable("wine", "multiclass", frame, "target", list(frame.columns[:6]), [], repeats=5)
 
 
 TABLES: dict[str, Callable[..., BenchTable]] = {"bank-full": bank_full, "credit": credit, "diabetes": diabetes,
@@ -236,6 +236,8 @@ def compare(table: BenchTable, settings: list[str], config: TrainingConfig,
     return {"table": table.name, "task": table.kind, "metric": _metric(table.kind), "rows": len(table.frame),
             "repeats": table.repeats, "bank_columns": table.bank, "partner_columns": table.partner,
             "chosen_on_validation": chosen,
+            # early stopping's objective on the validation rows, not the test metric: lower is better for a loss
+            "validation_objective": {"name": task.objective[0], "better": task.objective[1]},
             "validation": {s: statistics.fmean(v) for s, v in validation.items()},
             "test": {name: statistics.fmean(v) for name, v in test_scores.items()},
             "test_each_split": test_scores}
@@ -276,7 +278,9 @@ def run(out: Path, tables: list[str], settings: list[str], config: TrainingConfi
         download: bool = True, costs: bool = True, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """The comparison on every table named, and the step costs on bank-full; written to ``out``."""
     torch.set_num_threads(1)  # as every party computes by default: the split model's own arithmetic
-    results: dict[str, Any] = {"settings": {s: SETTINGS[s] for s in settings}, "tables": []}
+    results: dict[str, Any] = {"settings": {s: SETTINGS[s] for s in settings},
+                               "training": {"epochs": config.epochs, "patience": config.patience, "seed": config.seed},
+                               "tables": []}
     loaded = {}
     for name in tables:
         loaded[name] = TABLES[name](cache, download) if name == "bank-full" else TABLES[name]()
@@ -294,11 +298,13 @@ def run(out: Path, tables: list[str], settings: list[str], config: TrainingConfi
 
 def report(results: dict[str, Any]) -> str:
     """The comparison as text: per table, every model's test figure, the chosen setting marked."""
-    lines = []
+    training = results.get("training", {})
+    lines = [f"at most {training.get('epochs')} epochs (patience {training.get('patience')}), seed "
+             f"{training.get('seed')}; settings: " + ", ".join(results["settings"])]
     for t in results["tables"]:
         hgb = t["test"]["centralised: HistGradientBoosting"]
         chosen = f"split: {t['chosen_on_validation']}"
-        lines.append(f"\n{t['table']} ({t['rows']} rows, {t['task']}; test {t['metric']}"
+        lines.append(f"\n{t['table']} ({t['rows']:,} rows, {t['task']}; test {t['metric']}"
                      + (f", mean of {t['repeats']} splits" if t["repeats"] > 1 else "") + ")")
         for model, score in t["test"].items():
             mark = "  <- best built-in on validation" if model == chosen else ""

@@ -28,6 +28,7 @@ from bank.task import Task
 from bank.vertical.coordinator import epoch_batches
 from parties.errors import ConfigError, DataError
 from parties.learning.model import BottomConfig
+from parties.learning.trained_bottom import read_bottom_config
 from parties.tables.encoding import InputLayout, TabularEncoder
 from parties.tables.table import PartyTable, load_party_table
 
@@ -145,7 +146,7 @@ def _scores(task: Task, name: str, features: str, y: np.ndarray, s: np.ndarray) 
 
 
 def _partner_bottom(run: Run, name: str) -> BottomConfig:
-    return BottomConfig.model_validate_json((run.model_dir(name) / "bottom-config.json").read_text())
+    return read_bottom_config((run.model_dir(name) / "bottom-config.json").read_text())
 
 
 def _unsplit_mlp(run: Run, features: dict[str, np.ndarray], targets: np.ndarray, splits: dict[str, np.ndarray],
