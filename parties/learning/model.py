@@ -139,7 +139,7 @@ def load_factory(name: str) -> Callable[[int, int], nn.Module]:
                           "party runs") from None
     except Exception as exc:  # the party's own code failed as it was imported (a syntax error, say)
         raise ConfigError(f"bottom factory {name}: importing {module_name} failed: {type(exc).__name__}: "
-                          f"{exc}") from None
+                          f"{exc}") from exc
     factory = getattr(module, function, None)
     if not callable(factory):
         raise ConfigError(f"bottom factory {name}: {module_name} has no function {function}")
