@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer,
+                      model_validator)
 
 from parties.errors import ConfigError
 from parties.flags import Flag
-from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind
+from parties.learning.config import BottomConfig, LocalSteps, OptimizerConfig, TaskKind, check_factory_name
 
 __all__ = ["AggregationName", "json_settings", "GradientDefenseName", "MAX_AUTO_BATCH", "MIN_AUTO_BATCH", "TaskKind", "TopConfig", "TrainingConfig",
            "default_batch_size"]
@@ -35,8 +36,29 @@ def default_batch_size(train_rows: int) -> int:
 
 
 class TopConfig(OptimizerConfig):
+    """The bank's top model: an MLP of ``hidden`` widths, or the bank's own module from ``factory``."""
+
+    factory: str | None = Field(None, description="the bank's own top model: MODULE:FUNCTION, a function installed "
+                                "where the bank's service runs, called as FUNCTION(in_width, out_width) with the "
+                                "aggregated embeddings' width and the task's output width")
     hidden: tuple[int, ...] = (32,)
     seed: int = 1
+
+    @model_validator(mode="after")
+    def _factory_alone(self) -> TopConfig:
+        if self.factory is not None:
+            check_factory_name(self.factory)
+            if "hidden" in self.model_fields_set:
+                raise ValueError(f"hidden: a setting of the built-in top, not of your own ({self.factory}), which "
+                                 "decides its own architecture; leave it out")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_hidden(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.factory is not None:
+            data.pop("hidden", None)
+        return data
 
 
 class TrainingConfig(BaseModel):

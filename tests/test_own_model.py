@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bank.config import TrainingConfig
+from bank.config import TopConfig, TrainingConfig
 from bank.service.operator import BankOperator
 from data.prepare import prepare_bank_marketing
 from parties.errors import ConfigError
@@ -40,6 +40,11 @@ from torch import nn
 def make_bottom(in_width, cut_width):
     return nn.Sequential(nn.Linear(in_width, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Dropout(0.3),
                          nn.Linear(24, cut_width))
+
+
+def make_top(in_width, out_width):
+    return nn.Sequential(nn.Linear(in_width, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
+                         nn.Linear(16, out_width))
 
 
 def left_in_eval_mode(in_width, cut_width):
@@ -109,9 +114,10 @@ def test_an_own_bottom_with_batch_norm_and_dropout_resumes_bit_for_bit_and_score
         pki, bank_full: Path, tmp_path: Path, start_bank, own_models: Path) -> None:
     paths = prepare_bank_marketing(tmp_path / "data", rows=2000, cache=bank_full.parent, download=False)
     partner = Partner(pki, paths["partner"], tmp_path / "partner")
-    # The bank brings its own bottom too: the same factory, through its training settings.
+    # The bank brings its own bottom and top too, through its training settings.
     config = TrainingConfig(epochs=4, batch_size=64, checkpoint_every=5, patience=50, restore_best=False,
-                            bank_bottom=BottomConfig(factory="own_models:make_bottom", cut_width=8, seed=1))
+                            bank_bottom=BottomConfig(factory="own_models:make_bottom", cut_width=8, seed=1),
+                            top=TopConfig(factory="own_models:make_top", seed=4))
     bank = start_bank(paths["bank"], {"partner": f"https://127.0.0.1:{partner.port}"})
     try:
         with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as op:
@@ -147,6 +153,8 @@ def test_an_own_bottom_with_batch_norm_and_dropout_resumes_bit_for_bit_and_score
         # Batch norm's running statistics are part of it, and training moved them.
         assert any(k.endswith("running_mean") for k in a) and a["1.num_batches_tracked"] > 0, party
         assert not torch.equal(a["1.running_mean"], torch.zeros_like(a["1.running_mean"])), party
+    tops = [saved(Path(run["run_dir"]) / "model" / "top.safetensors") for run in (clean, killed)]
+    assert state_equal(*tops) and "model.1.running_mean" in tops[0] and "random_state" in tops[0]
 
     # The scores are the run's own predictions for those customers (evaluation mode: no dropout, running stats).
     assert summary["scored"] == 50
@@ -248,3 +256,27 @@ def test_a_factory_whose_module_fails_to_import_is_a_clear_error(own_models: Pat
     (own_models / "broken_models.py").write_text("def make(:\n")
     with pytest.raises(ConfigError, match="importing broken_models failed: SyntaxError"):
         build_bottom(5, BottomConfig(factory="broken_models:make", cut_width=4))
+
+
+def test_the_bank_s_own_top_carries_its_random_stream_in_its_state(own_models: Path) -> None:
+    """A checkpoint, a rollback and the best epoch all hold the top's ``state_dict``: restoring it restores its
+    dropout draws too, and evaluation never moves them."""
+    from parties.learning.model import Drawing, build_top
+
+    config = TopConfig(factory="own_models:make_top", seed=4)
+    top = build_top(6, config, 1)
+    assert isinstance(top, Drawing) and state_equal(top.state_dict(), build_top(6, config, 1).state_dict())
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        top(x)
+    snapshot = {k: v.clone() for k, v in top.state_dict().items()}
+    top.eval()
+    assert torch.equal(top(x), top(x))  # evaluation: no dropout, and the stream stays where it was
+    top.train()
+    ahead = [top(x) for _ in range(2)]
+    assert not torch.equal(ahead[0], ahead[1])  # dropout draws anew each training forward
+    restored = build_top(6, config, 1)
+    restored.load_state_dict(snapshot)
+    assert all(torch.equal(a, restored(x)) for a in ahead)
+    with pytest.raises(ValueError, match="hidden: a setting of the built-in top"):
+        TopConfig(factory="own_models:make_top", hidden=(32,))

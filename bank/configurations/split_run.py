@@ -67,6 +67,8 @@ class ConfigurationSettings(BaseModel):
         default = BottomConfig()
         own = [f for f in ("factory", "numeric_embedding", "category_width")
                if getattr(self.bottom, f) != getattr(default, f)]
+        if self.top.factory is not None:
+            own.append("top.factory")
         if own:
             raise ValueError(f"bottom: {', '.join(own)}: the {self.configuration} configuration's bottom is the "
                              "built-in MLP (hidden, cut_width, optimizer, seed); your own model and column "

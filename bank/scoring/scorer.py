@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
 
 from alignment.cache import hashed_points
 from alignment.parallel import SlicePool
@@ -37,6 +39,7 @@ from bank.vertical.party import ScoringParty
 from bank.scoring.subsets import head_from_blob, subset_name
 from bank.task import Task
 from parties.errors import CutlayerError, DataError, IntersectionTooSmall
+from parties.learning.model import build_top
 from parties.learning.trained_bottom import ScoringBottom, verify_files
 from parties.tables.drift import Drift, judge_drift
 from parties.tables.encoding import Fallbacks, merge_fallbacks
@@ -126,6 +129,23 @@ class _Customers:
         return np.stack([self.held[n] for n in self.names[1:]], axis=1) if self.names[1:] else np.ones((self.n, 0), bool)
 
 
+def load_top(model_dir: Path, manifest: Manifest, width: int, task: Task) -> torch.nn.Module:
+    """The top model of a manifest's folder (its files checked against the manifest when it was read): the bank's
+    own, rebuilt from ``top-config.json`` and its factory, or the MLP whose widths its weights give."""
+    blob = (model_dir / "top.safetensors").read_bytes()
+    if "top-config.json" not in manifest.top:
+        return head_from_blob(blob, width, task)
+    from bank.config import TopConfig
+
+    try:
+        top = build_top(width, TopConfig.model_validate_json((model_dir / "top-config.json").read_bytes()),
+                        task.output_dim)
+        top.load_state_dict(load_tensors(blob))
+    except (ValueError, RuntimeError, SafetensorError) as exc:
+        raise DataError(f"{model_dir}: the bank's own top does not load ({exc})") from exc
+    return top.eval()
+
+
 def score_customers(
     table: PartyTable,
     model_dir: Path,
@@ -156,7 +176,7 @@ def score_customers(
     if set(names[1:]) != set(partners):
         raise DataError(f"model {manifest.model_id} was trained with partners {names[1:]}, not {sorted(partners)}")
     widths = {p.name: p.embedding_width for p in manifest.parties}
-    top = head_from_blob((model_dir / "top.safetensors").read_bytes(), aggregation.width(list(widths.values())), task)
+    top = load_top(model_dir, manifest, aggregation.width(list(widths.values())), task)
 
     book = partnership or Partnership(PsiLimits(), len(table))
     told = exposure or Exposure()

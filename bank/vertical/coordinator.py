@@ -35,7 +35,7 @@ from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.vertical.state import LoopState
 from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
-from parties.learning.model import build_optimizer, mlp
+from parties.learning.model import build_optimizer, build_top
 from parties.learning.secret import Secret
 from parties.observability import bind_log, log_context
 from parties.storage.checkpoint import CheckpointWriter
@@ -191,7 +191,7 @@ class Coordinator(Recovery):
 
     def _build_top(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         width = self.aggregation.width([self.widths[p.name] for p in self.parties])
-        top = mlp(width, self.config.top.hidden, self.task.output_dim, activate_output=False, seed=self.config.top.seed)
+        top = build_top(width, self.config.top, self.task.output_dim)
         return top, build_optimizer(top.parameters(), self.config.top)
 
     def _outputs(self, top: torch.nn.Module, positions: np.ndarray) -> torch.Tensor:

@@ -89,6 +89,10 @@ def write_run(
     atomic_write_bytes(run_dir / "model" / "top.safetensors", top_blob)
     _json(run_dir / "model" / "task.json", task.to_dict())
     top_digest = {"top.safetensors": hashlib.sha256(top_blob).hexdigest()}
+    if config.top.factory is not None:  # scoring builds the bank's own top again from it
+        top_config = config.top.model_dump_json(indent=2).encode()
+        atomic_write_bytes(run_dir / "model" / "top-config.json", top_config)
+        top_digest["top-config.json"] = hashlib.sha256(top_config).hexdigest()
     write_manifest(run_dir / "model" / "manifest.json", Manifest(
         model_id=outcome.session_id,
         alignment_id=alignment_id,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from parties.flags import Flag
 
 __all__ = ["BottomConfig", "LocalSteps", "MonitorConfig", "MonitorFlags", "NumericEmbedding", "OptimizerConfig",
-           "PartnerDefenses", "PrivacyConfig", "PrivacyFlags", "TaskKind"]
+           "PartnerDefenses", "PrivacyConfig", "PrivacyFlags", "TaskKind", "check_factory_name"]
 
 #: What the bank's label is: it decides the loss, the metrics and how a label column is validated.
 TaskKind = Literal["binary", "multiclass", "regression"]
@@ -90,15 +90,19 @@ class BottomConfig(OptimizerConfig):
     @model_validator(mode="after")
     def _factory_alone(self) -> BottomConfig:
         if self.factory is not None:
-            module, _, function = self.factory.partition(":")
-            if not (module and function and all(p.isidentifier() for p in (*module.split("."), function))):
-                raise ValueError(f"bottom factory {self.factory!r}: expected MODULE:FUNCTION, e.g. "
-                                 "mypkg.models:make_bottom")
+            check_factory_name(self.factory)
             given = [f for f in BUILT_IN_ONLY if f in self.model_fields_set]
             if given:
                 raise ValueError(f"{', '.join(given)}: a setting of the built-in bottom, not of your own "
                                  f"({self.factory}), which decides its own architecture; leave it out")
         return self
+
+
+def check_factory_name(name: str) -> None:
+    """``ValueError`` unless ``name`` reads MODULE:FUNCTION (a dotted module, a function name)."""
+    module, _, function = name.partition(":")
+    if not (module and function and all(p.isidentifier() for p in (*module.split("."), function))):
+        raise ValueError(f"factory {name!r}: expected MODULE:FUNCTION, e.g. mypkg.models:make_bottom")
 
 
 def _seed(text: str) -> int | None:

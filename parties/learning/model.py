@@ -9,6 +9,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,16 @@ from parties.errors import ConfigError
 from parties.learning.config import BottomConfig, OptimizerConfig, TaskKind
 from parties.tables.encoding import InputLayout
 
-__all__ = ["BottomConfig", "InputLayout", "OptimizerConfig", "Randomness", "TabularBottom", "build_bottom",
-           "build_optimizer", "check_targets", "ends_in_relu", "load_factory", "mlp", "prepare_optimizers",
-           "task_loss"]
+__all__ = ["BottomConfig", "Drawing", "InputLayout", "OptimizerConfig", "Randomness", "TabularBottom", "build_bottom",
+           "build_optimizer", "build_top", "check_targets", "ends_in_relu", "load_factory", "mlp", "own_module",
+           "prepare_optimizers", "task_loss"]
+
+
+class TopLike(Protocol):
+    """What ``build_top`` reads of ``bank.config.TopConfig`` (which this module cannot import)."""
+
+    hidden: tuple[int, ...]
+    seed: int
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, activate_output: bool, seed: int) -> nn.Sequential:
@@ -129,20 +137,20 @@ def _spread(components: Sequence[int]) -> torch.Tensor:
     return spread
 
 
-def load_factory(name: str) -> Callable[[int, int], nn.Module]:
+def load_factory(name: str, role: str = "bottom") -> Callable[[int, int], nn.Module]:
     """The function ``MODULE:FUNCTION`` names, imported from this party's own installation."""
     module_name, _, function = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"bottom factory {name}: cannot import {module_name} ({exc}); install it where this "
+        raise ConfigError(f"{role} factory {name}: cannot import {module_name} ({exc}); install it where this "
                           "party runs") from None
     except Exception as exc:  # the party's own code failed as it was imported (a syntax error, say)
-        raise ConfigError(f"bottom factory {name}: importing {module_name} failed: {type(exc).__name__}: "
+        raise ConfigError(f"{role} factory {name}: importing {module_name} failed: {type(exc).__name__}: "
                           f"{exc}") from exc
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise ConfigError(f"bottom factory {name}: {module_name} has no function {function}")
+        raise ConfigError(f"{role} factory {name}: {module_name} has no function {function}")
     return factory
 
 
@@ -157,31 +165,61 @@ def _seeded(state: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def _own_bottom(in_width: int, config: BottomConfig, seed: int) -> nn.Module:
-    assert config.factory is not None
-    factory = load_factory(config.factory)
+def own_module(name: str, in_width: int, out_width: int, seed: int, role: str = "bottom") -> nn.Module:
+    """A party's own module from the factory ``name``, built with torch's default generator seeded from ``seed``
+    and checked on a (2, in_width) batch to give (2, out_width) float32."""
+    factory = load_factory(name, role)
     with _seeded(torch.Generator().manual_seed(seed).get_state()):
         try:
-            model = factory(in_width, config.cut_width)
+            model = factory(in_width, out_width)
         except Exception as exc:  # the party's own code: say whose it is
-            raise ConfigError(f"bottom factory {config.factory}({in_width}, {config.cut_width}) failed: "
+            raise ConfigError(f"{role} factory {name}({in_width}, {out_width}) failed: "
                               f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"bottom factory {config.factory} returned {type(model).__name__}, not a torch module")
+            raise ConfigError(f"{role} factory {name} returned {type(model).__name__}, not a torch module")
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
                 out = model(torch.zeros(2, in_width))
         except Exception as exc:
-            raise ConfigError(f"bottom factory {config.factory}: its model fails on a (2, {in_width}) float32 "
+            raise ConfigError(f"{role} factory {name}: its model fails on a (2, {in_width}) float32 "
                               f"batch: {type(exc).__name__}: {exc}") from exc
         model.train(was_training)
-    if not isinstance(out, torch.Tensor) or out.shape != (2, config.cut_width) or out.dtype != torch.float32:
+    if not isinstance(out, torch.Tensor) or out.shape != (2, out_width) or out.dtype != torch.float32:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"bottom factory {config.factory}: its model maps (2, {in_width}) to {shape}, not "
-                          f"(2, {config.cut_width}) float32 (the cut width)")
+        what = "the cut width" if role == "bottom" else "the task's output width"
+        raise ConfigError(f"{role} factory {name}: its model maps (2, {in_width}) to {shape}, not "
+                          f"(2, {out_width}) float32 ({what})")
     return model
+
+
+class Drawing(nn.Module):
+    """A module of the party's own whose random draws (dropout) come from a stream it carries as a buffer: the
+    stream is part of its ``state_dict``, so a checkpoint, a rollback and the best epoch's weights all hold it,
+    and a resumed run draws what the uninterrupted one would have. Evaluation draws from the stream without
+    moving it (the same batch always scores the same)."""
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("random_state", torch.Generator().manual_seed(seed).get_state())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _seeded(self.random_state):
+            out = self.model(x)
+            if self.training:
+                self.random_state.copy_(torch.get_rng_state())
+        return out
+
+
+def build_top(in_width: int, config: TopLike, out_width: int) -> nn.Module:
+    """The bank's top: an MLP of ``config.hidden`` (no activation after the last layer), or the bank's own module
+    from ``config.factory`` (``Drawing``), seeded from ``config.seed`` either way."""
+    factory = getattr(config, "factory", None)
+    if factory is None:
+        return mlp(in_width, config.hidden, out_width, activate_output=False, seed=config.seed)
+    return Drawing(own_module(factory, in_width, out_width, config.seed, "top"), config.seed)
 
 
 class Randomness:
@@ -220,7 +258,7 @@ def build_bottom(inputs: int | InputLayout, config: BottomConfig, seed: int | No
         raise ValueError("this bottom's initial weights come from its party's secret: its trainer builds it")
     layout = InputLayout.dense(inputs) if isinstance(inputs, int) else inputs
     if config.factory is not None:
-        return _own_bottom(layout.width, config, seed)
+        return own_module(config.factory, layout.width, config.cut_width, seed)
     if (config.numeric_embedding == "none" or not layout.numeric) and not (config.category_width and layout.categories):
         return mlp(layout.width, config.hidden, config.cut_width, activate_output=True, seed=seed)  # nothing to embed
     return TabularBottom(layout, config, seed)

@@ -16,7 +16,7 @@ from torch import nn
 from bank.vertical.aggregation import get_aggregation
 from bank.config import TopConfig
 from bank.task import Task
-from parties.learning.model import BottomConfig, InputLayout, build_bottom, build_optimizer, mlp
+from parties.learning.model import BottomConfig, InputLayout, build_bottom, build_optimizer, build_top
 
 __all__ = ["UnsplitModel"]
 
@@ -43,7 +43,7 @@ class UnsplitModel(nn.Module):
                                       for n in self.names})
         self.aggregation = get_aggregation(aggregation)
         width = self.aggregation.width([bottoms[n].cut_width for n in self.names])
-        self.top = mlp(width, top.hidden, task.output_dim, activate_output=False, seed=top.seed)
+        self.top = build_top(width, top, task.output_dim)
         self.task = task
         self.optimizers = [build_optimizer(self.bottoms[n].parameters(), bottoms[n]) for n in self.names]
         self.optimizers.append(build_optimizer(self.top.parameters(), top))
