@@ -51,6 +51,10 @@ def left_in_eval_mode(in_width, cut_width):
     return make_bottom(in_width, cut_width).eval()
 
 
+def top_left_in_eval_mode(in_width, out_width):
+    return make_top(in_width, out_width).eval()
+
+
 def wrong_width(in_width, cut_width):
     return nn.Linear(in_width, cut_width + 1)
 
@@ -280,3 +284,18 @@ def test_the_bank_s_own_top_carries_its_random_stream_in_its_state(own_models: P
     assert all(torch.equal(a, restored(x)) for a in ahead)
     with pytest.raises(ValueError, match="hidden: a setting of the built-in top"):
         TopConfig(factory="own_models:make_top", hidden=(32,))
+    # It trains in training mode whatever mode its factory left it in (a resumed epoch must train as the first).
+    assert build_top(6, TopConfig(factory="own_models:top_left_in_eval_mode"), 1).model.training
+
+
+@pytest.mark.parametrize("given", [
+    {"top": {"factory": "own_models:make_top"}},
+    {"training": {"top": {"factory": "own_models:make_top"}}},
+    {"training": {"bank_bottom": {"factory": "own_models:make_bottom"}}},
+    {"bottom": {"numeric_embedding": "ple"}},
+])
+def test_the_other_configurations_refuse_own_models_instead_of_dropping_them(given: dict) -> None:
+    from bank.configurations.split_run import ConfigurationSettings
+
+    with pytest.raises(ValueError, match="configuration's models are the built-in MLPs"):
+        ConfigurationSettings(configuration="u-shaped", **given)

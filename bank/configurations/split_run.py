@@ -65,14 +65,15 @@ class ConfigurationSettings(BaseModel):
         (a branch, the data owner): a factory or column embeddings would be dropped on the way, so they are
         refused."""
         default = BottomConfig()
-        own = [f for f in ("factory", "numeric_embedding", "category_width")
-               if getattr(self.bottom, f) != getattr(default, f)]
-        if self.top.factory is not None:
-            own.append("top.factory")
+        own = [f"{where}.{f}" for where, bottom in (("bottom", self.bottom), ("training.bank_bottom",
+                                                                                self.training.bank_bottom))
+               for f in ("factory", "numeric_embedding", "category_width") if getattr(bottom, f) != getattr(default, f)]
+        own += [f"{where}.factory" for where, top in (("top", self.top), ("training.top", self.training.top))
+                if top.factory is not None]
         if own:
-            raise ValueError(f"bottom: {', '.join(own)}: the {self.configuration} configuration's bottom is the "
-                             "built-in MLP (hidden, cut_width, optimizer, seed); your own model and column "
-                             "embeddings are vertical training's")
+            raise ValueError(f"{', '.join(own)}: the {self.configuration} configuration's models are the built-in "
+                             "MLPs (hidden, cut_width, optimizer, seed); your own models and column embeddings are "
+                             "vertical training's")
         return self
 
     @model_validator(mode="before")

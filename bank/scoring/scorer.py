@@ -132,17 +132,17 @@ class _Customers:
 def load_top(model_dir: Path, manifest: Manifest, width: int, task: Task) -> torch.nn.Module:
     """The top model of a manifest's folder (its files checked against the manifest when it was read): the bank's
     own, rebuilt from ``top-config.json`` and its factory, or the MLP whose widths its weights give."""
-    blob = (model_dir / "top.safetensors").read_bytes()
-    if "top-config.json" not in manifest.top:
-        return head_from_blob(blob, width, task)
     from bank.config import TopConfig
 
     try:
+        blob = (model_dir / "top.safetensors").read_bytes()
+        if "top-config.json" not in manifest.top:
+            return head_from_blob(blob, width, task)
         top = build_top(width, TopConfig.model_validate_json((model_dir / "top-config.json").read_bytes()),
                         task.output_dim)
         top.load_state_dict(load_tensors(blob))
-    except (ValueError, RuntimeError, SafetensorError) as exc:
-        raise DataError(f"{model_dir}: the bank's own top does not load ({exc})") from exc
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise DataError(f"{model_dir}: the top model does not load ({exc})") from exc
     return top.eval()
 
 

@@ -35,7 +35,7 @@ from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.vertical.state import LoopState
 from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
 from parties.learning import fast_path
-from parties.learning.model import build_optimizer, build_top
+from parties.learning.model import build_optimizer, build_top, load_factory
 from parties.learning.secret import Secret
 from parties.observability import bind_log, log_context
 from parties.storage.checkpoint import CheckpointWriter
@@ -179,6 +179,10 @@ class Coordinator(Recovery):
     # --- the loop --------------------------------------------------------------------------
 
     def _start(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        # The bank's own modules are imported before any party opens a session a failure would leave behind.
+        for name, role in ((self.config.top.factory, "top"), (self.config.bank_bottom.factory, "bottom")):
+            if name is not None:
+                load_factory(name, role)
         train = torch.from_numpy(self.split.train.astype(np.int64))
         precision, local = self.config.wire_precision, self.config.local
         widths = self._all(lambda p: p.start_training(self.session_id, self.alignment_id, train, precision, local))
@@ -317,6 +321,7 @@ class Coordinator(Recovery):
         total_steps = min(self.config.max_steps or 1 << 62, (steps_per_epoch + 1) * self.config.epochs)
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, own leaf) of a step not yet finished
         top_params = list(top.parameters())
+        public = not fast_path.serves(top)  # the bank's own top trains on torch's public calls
         unsaved = False  # a checkpoint is due for the last step
         reuse_due = False  # local steps: the last exchange's reuse updates of the top have not run yet
 
@@ -333,9 +338,9 @@ class Coordinator(Recovery):
                 reuse_due = False
             if deferred:
                 loss, own = deferred.pop()
-                fast_path.backward(loss, inputs=[*top_params, own])
+                fast_path.backward(loss, inputs=[*top_params, own], public=public)
                 loop.grads[0] = own.grad
-                fast_path.optimizer_step(optimizer)
+                fast_path.optimizer_step(optimizer, public=public)
                 fast_path.clear_grads(top_params)
             if unsaved:
                 self._save(loop, optimizer)
@@ -357,7 +362,8 @@ class Coordinator(Recovery):
                     loss = self._loss(top, leaves, rows)
                     # Only the partners' gradients are on the critical path: compute them alone, send them
                     # with the next step, and finish the backward while the partners work.
-                    theirs = fast_path.grad(loss, leaves[1:], retain_graph=True) if len(leaves) > 1 else ()
+                    theirs = (fast_path.grad(loss, leaves[1:], retain_graph=True, public=public)
+                              if len(leaves) > 1 else ())
                     deferred.append((loss, leaves[0]))
                     loop.losses.append(loss.item())
                     mine = None  # finish_step fills it in

@@ -36,13 +36,14 @@ class LocalTop:
         """One top update per batch of ``group``, on the embeddings ``zs`` of all of them; returns every party's
         gradient for the whole round trip, in its batches' order, and the mean loss."""
         params = list(top.parameters())
+        public = not fast_path.serves(top)
         grads: list[list[torch.Tensor]] = [[] for _ in zs]
         losses, start = [], 0
         for rows in group:
             leaves = [z[start : start + len(rows)].detach().requires_grad_(True) for z in zs]
             loss = self._loss(top, leaves, rows)
-            fast_path.backward(loss, inputs=[*params, *leaves])
-            fast_path.optimizer_step(optimizer)
+            fast_path.backward(loss, inputs=[*params, *leaves], public=public)
+            fast_path.optimizer_step(optimizer, public=public)
             fast_path.clear_grads(params)
             for out, leaf in zip(grads, leaves):
                 out.append(leaf.grad)
@@ -55,8 +56,9 @@ class LocalTop:
     def replay(self, top: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """``reuse`` more top updates from the cache, newest batch first, cycling through it."""
         params = list(top.parameters())
+        public = not fast_path.serves(top)
         for k in range(self.reuse):
             rows, cached = self.cache[-1 - k % len(self.cache)]
-            fast_path.backward(self._loss(top, cached, rows), inputs=params)
-            fast_path.optimizer_step(optimizer)
+            fast_path.backward(self._loss(top, cached, rows), inputs=params, public=public)
+            fast_path.optimizer_step(optimizer, public=public)
             fast_path.clear_grads(params)

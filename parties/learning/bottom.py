@@ -97,7 +97,7 @@ class BottomTrainer:
         self._random_pending: torch.Tensor | None = None  # the stream before the pending embedding was computed
         self._params = list(self.model.parameters())
         # The fast path serves the plain MLP it was verified on; any other model trains on torch's public calls.
-        self._verified = config.built_in and isinstance(self.model, torch.nn.Sequential)
+        self._verified = fast_path.serves(self.model)
         self.optimizer = build_optimizer(self._params, config)
         self.next_step = 0
         self._pending: torch.Tensor | None = None
@@ -265,19 +265,13 @@ class BottomTrainer:
             return self.model(self.x.take(rows))
 
     def _optimizer_step(self) -> None:
-        if self._verified:
-            fast_path.optimizer_step(self.optimizer)
-        else:
-            self.optimizer.step()
+        fast_path.optimizer_step(self.optimizer, public=not self._verified)
 
     def _backward(self, z: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, clean: torch.Tensor | None) -> None:
         """Accumulate the gradient of the bank's loss through ``z`` (the embedding as released), and with NoPeek
         that of α·dCor(features of ``rows``, ``clean``), ``clean`` being ``z`` before any DP noise."""
         if self.nopeek is None:
-            if self._verified:
-                fast_path.backward(z, grad)
-            else:
-                torch.autograd.backward(z, grad)
+            fast_path.backward(z, grad, public=not self._verified)
             return
         assert clean is not None
         penalty = self.nopeek.penalty(self.x.take(rows), clean)

@@ -38,7 +38,8 @@ from torch import nn
 from parties import speed
 
 # ``ACTIVE`` (``status().active``) is an attribute too, decided on first use (``__getattr__`` below).
-__all__ = ["VERIFIED_TORCH", "backward", "clear_grads", "forward", "grad", "optimizer_step", "refresh", "status"]
+__all__ = ["VERIFIED_TORCH", "backward", "clear_grads", "forward", "grad", "optimizer_step", "refresh", "serves",
+           "status"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,13 @@ def _plain(model: nn.Module, internals: _Internals) -> bool:
                    for m in (model, *layers))
 
 
+def serves(model: nn.Module) -> bool:
+    """Whether the fast path is active and ``model`` is what it was verified on (the plain MLP): anything else
+    trains on torch's public calls, its backward and optimizer step included (``public=True`` below)."""
+    internals = _fast()
+    return internals is not None and _plain(model, internals)
+
+
 def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``model(x)``; for a plain MLP, each layer's functional form directly."""
     internals = _fast()
@@ -134,13 +142,14 @@ def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def backward(
-    output: torch.Tensor, grad_output: torch.Tensor | None = None, inputs: Sequence[torch.Tensor] = ()
+    output: torch.Tensor, grad_output: torch.Tensor | None = None, inputs: Sequence[torch.Tensor] = (),
+    public: bool = False,
 ) -> None:
     """``output.backward(grad_output, inputs=inputs)``: accumulate into the leaves' ``.grad``.
 
-    ``grad_output`` may be left out for a scalar ``output``, as with ``backward``.
+    ``grad_output`` may be left out for a scalar ``output``, as with ``backward``. ``public``: that call itself.
     """
-    internals = _fast()
+    internals = None if public else _fast()
     if internals is None:
         torch.autograd.backward(output, grad_output, inputs=tuple(inputs) or None)
         return
@@ -149,9 +158,10 @@ def backward(
     internals.run_backward((output,), (grad_output,), False, False, tuple(inputs), True, True)
 
 
-def grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor], *, retain_graph: bool) -> tuple[torch.Tensor, ...]:
-    """``torch.autograd.grad(loss, inputs, retain_graph=...)`` for a scalar ``loss``."""
-    internals = _fast()
+def grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor], *, retain_graph: bool,
+         public: bool = False) -> tuple[torch.Tensor, ...]:
+    """``torch.autograd.grad(loss, inputs, retain_graph=...)`` for a scalar ``loss``; ``public``: that call."""
+    internals = None if public else _fast()
     if internals is None:
         return torch.autograd.grad(loss, inputs, retain_graph=retain_graph)
     ones = torch.ones_like(loss, memory_format=torch.preserve_format)
@@ -178,13 +188,13 @@ def _fused_adam(optimizer: torch.optim.Optimizer, internals: _Internals) -> dict
     return group if plain else None
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()``; for fused Adam, its CPU kernel directly.
+def optimizer_step(optimizer: torch.optim.Optimizer, public: bool = False) -> None:
+    """``optimizer.step()``; for fused Adam, its CPU kernel directly (``public``: ``step()`` itself).
 
     The first step (no state yet) goes through ``step()``, which creates the
     state exactly as usual; so does anything but fused Adam with defaults.
     """
-    internals = _fast()
+    internals = None if public else _fast()
     group = None if internals is None else _fused_adam(optimizer, internals)
     if group is None or internals is None:
         optimizer.step()

@@ -219,7 +219,8 @@ def build_top(in_width: int, config: TopLike, out_width: int) -> nn.Module:
     factory = getattr(config, "factory", None)
     if factory is None:
         return mlp(in_width, config.hidden, out_width, activate_output=False, seed=config.seed)
-    return Drawing(own_module(factory, in_width, out_width, config.seed, "top"), config.seed)
+    # Training mode, whatever mode the factory left its module in: the coordinator trains it from here.
+    return Drawing(own_module(factory, in_width, out_width, config.seed, "top"), config.seed).train()
 
 
 class Randomness:
