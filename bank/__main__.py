@@ -120,6 +120,16 @@ def build_parser(prog: str = "python -m bank") -> argparse.ArgumentParser:
                          "(trained with the joint model; e.g. the bank-only model); default: report them unscorable")
     add_log_level(sc)
 
+    co = command(sub, "console", "the operator's console in a browser: align, train, follow, inspect runs, score",
+                 handler=commands.console)
+    _add_operator_arguments(co)
+    co.add_argument("--port", type=int, default=8600,
+                    help="the console's port on this machine (default %(default)s; 0: any free one)")
+    co.add_argument("--host", default="127.0.0.1",
+                    help="a loopback address to serve on (default %(default)s): the console acts as the bank's "
+                         "operator, so it serves this machine only; reach it from elsewhere through ssh -L")
+    add_log_level(co)
+
     add_configuration_commands(sub)
 
     w = command(sub, "walkthrough", "run the bank-marketing walkthrough end to end", handler=commands.walkthrough)

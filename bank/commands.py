@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "score", "serve", "sessions", "train", "walkthrough",
+    "print_scoring", "print_summary", "align", "console", "score", "serve", "sessions", "train", "training_config",
+    "walkthrough",
 ]
 
 
@@ -149,6 +150,36 @@ def score(args: argparse.Namespace) -> int:
     return 0
 
 
+def console(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from bank.console.app import create_console
+    from bank.service.operator import BankOperator
+    from parties.transport.tls import is_loopback
+
+    if not is_loopback(args.host):
+        raise ConfigError(f"--host {args.host}: the console serves this machine only (it acts as the bank's "
+                          "operator over plain HTTP); bind it to 127.0.0.1 and reach it from elsewhere with ssh -L")
+    tls = _operator_tls(args)
+    with BankOperator(args.url, tls, args.name) as operator:
+        operator.sessions()  # the bank service answers, to this certificate: else a clear refusal now
+        listening = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        try:
+            listening.bind((args.host, args.port))
+        except OSError as exc:
+            raise ConfigError(f"--port {args.port}: cannot listen on {args.host} ({exc.strerror})") from exc
+        port = listening.getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        names = (f"{host}:{port}", f"localhost:{port}") if args.host == "127.0.0.1" else (f"{host}:{port}",)
+        app = create_console(operator, hosts=names)
+        print(f"Cutlayer console for the bank service at {args.url}; open it at\n"
+              f"  http://{names[0]}/?token={app.state.token}\n(Ctrl-C stops it)", flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
+    return 0
+
+
 def _operator_tls(args: argparse.Namespace) -> TLSFiles | None:
     """The bank's certificate for calling its own service, or ``None`` with ``--insecure``."""
     from parties.transport.tls import TLSFiles
@@ -184,7 +215,7 @@ def _follow(operator: BankOperator, job: JobStatus, desc: str) -> dict[str, Any]
 def _train_config(args: argparse.Namespace) -> TrainingConfig:
     """The training settings of ``train``: --config's file, then the flags over it, then the defaults."""
     given = flag_values(args, TrainingConfig)
-    return _knob_applies(given, _training_config(args.config, flags=given))
+    return _training_config(args.config, flags=given)
 
 
 def _knob_applies(given: dict[str, object], config: TrainingConfig) -> TrainingConfig:
@@ -200,21 +231,31 @@ def _knob_applies(given: dict[str, object], config: TrainingConfig) -> TrainingC
     return config
 
 
+#: What a file of training settings looks like, for a refusal.
+SETTINGS_EXAMPLE = '{"epochs": 20}'
+
+
 def _training_config(path: Path | None, flags: dict[str, object], **values: object) -> TrainingConfig:
     """--config's file, then ``values`` the command sets, then the flags; a problem names the flag it came from."""
+    return training_config(json_settings(path, SETTINGS_EXAMPLE) | values, f" in {path}" if path else "", flags)
+
+
+def training_config(values: dict[str, object], where: str, flags: dict[str, object]) -> TrainingConfig:
+    """Training settings from ``values`` (a settings file's, or the console's box), then the flags over them,
+    checked as ``train`` checks them: a problem names the flag it came from, or ``where`` for the rest."""
     from parties.settings import describe_problems
 
-    values = json_settings(path, '{"epochs": 20}') | values | flags
-    where = f" in {path}" if path else ""
+    values = values | flags
     misplaced = [_misplaced(key) for key in values if key not in TrainingConfig.model_fields]
     if misplaced:
         raise ConfigError(f"invalid training settings{where}: {'; '.join(misplaced)}")
     try:
-        return TrainingConfig(**values)
+        config = TrainingConfig(**values)
     except ValidationError as exc:
         problems = describe_problems(exc, lambda loc: flag_for(TrainingConfig, loc) if loc and loc[0] in flags
                                      else ".".join(str(p) for p in loc))
         raise ConfigError(f"invalid training settings{where}: {problems}") from exc
+    return _knob_applies(flags, config) if flags else config
 
 
 def _misplaced(key: str) -> str:
@@ -259,7 +300,7 @@ def walkthrough(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     given = flag_values(args, TrainingConfig)
-    training = _knob_applies(given, _training_config(None, given, seed=args.seed))
+    training = _training_config(None, given, seed=args.seed)
     partner = flag_values(args, PartnerDefenses)
     partner_args = _partner_defenses(partner)
     if partner.get("monitor", {}).get("watch") and training.gradient_defense != "none":

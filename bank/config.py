@@ -219,9 +219,20 @@ def json_settings(path: Path | None, example: str) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        values = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise ConfigError(f"{path}: not a readable JSON file ({exc})") from exc
+    return json_text_settings(text, str(path), example)
+
+
+def json_text_settings(text: str, where: str, example: str) -> dict[str, Any]:
+    """The settings object ``text`` holds (``{}`` if blank), read from ``where`` (named in a refusal)."""
+    if not text.strip():
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not a readable JSON file ({exc})") from exc
     if not isinstance(values, dict):
-        raise ConfigError(f"{path}: settings are a JSON object, e.g. {example}")
+        raise ConfigError(f"{where}: settings are a JSON object, e.g. {example}")
     return values

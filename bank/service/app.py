@@ -16,7 +16,16 @@ from bank.service.core import BankCore
 from parties.errors import NotAligned, OutOfOrder
 from parties.learning.model import prepare_optimizers
 from parties.protocol import control
-from parties.protocol.control import AlignmentInfo, AlignmentRequest, JobStatus, SessionList
+from parties.protocol.control import (
+    AlignmentInfo,
+    AlignmentRequest,
+    JobList,
+    JobStatus,
+    PartnerList,
+    RunDetail,
+    RunList,
+    SessionList,
+)
 from bank.settings import BankSettings
 from parties.tables.table import PartyTable
 from parties.transport.app import create_party_app, read_body, require_self
@@ -88,6 +97,42 @@ async def scores(job_id: str, c: BankCore = Depends(core)) -> FileResponse:
 @coordinator.get(control.JOB, response_model=JobStatus)
 async def job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
     return c.jobs.get(job_id).status()
+
+
+@coordinator.get(control.JOBS, response_model=JobList)
+async def jobs(c: BankCore = Depends(core)) -> JobList:
+    """Every job since the service started, newest first, without their curves."""
+    return JobList(jobs=[j.status().model_copy(update={"curve": []}) for j in reversed(c.jobs.all())])
+
+
+@coordinator.post(control.JOB_STOP, status_code=202, response_model=JobStatus)
+async def stop_job(job_id: str, c: BankCore = Depends(core)) -> JobStatus:
+    """Stop a job at its next report: a training stops between steps and stays resumable; an alignment commits
+    nothing."""
+    return c.jobs.stop(job_id).status()
+
+
+@coordinator.get(control.PARTNERS, response_model=PartnerList)
+async def partners(c: BankCore = Depends(core)) -> PartnerList:
+    """Each partner, probed now: reachable, ready, and the certificate it answered with."""
+    return await run_in_threadpool(c.partner_status)
+
+
+@coordinator.get(control.RUNS, response_model=RunList)
+async def runs(c: BankCore = Depends(core)) -> RunList:
+    return await run_in_threadpool(c.runs)
+
+
+@coordinator.get(control.RUN, response_model=RunDetail)
+async def run(session_id: str, c: BankCore = Depends(core)) -> RunDetail:
+    return await run_in_threadpool(c.run, session_id)
+
+
+@coordinator.get(control.RUN_FILE.replace("{name}", "{name:path}"))  # analysis/... has a slash
+async def run_file(session_id: str, name: str, c: BankCore = Depends(core)) -> FileResponse:
+    """One of the files a run lists (its figures and tables, its metrics, its model files' manifest)."""
+    path, media_type = c.run_file(session_id, name)
+    return FileResponse(path, media_type=media_type)
 
 
 def _warm_up(done: threading.Event) -> None:

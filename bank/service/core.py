@@ -21,21 +21,40 @@ from bank.scoring.manifest import read_manifest
 from bank.scoring.scorer import score_customers
 from bank.scoring.subsets import train_subset_models
 from bank.service.aligner import align_with_partners
+from bank.service.runs import run_detail, run_file, run_summary, session_folder
 from bank.settings import BankSettings
 from bank.task import Task
 from bank.vertical.coordinator import Coordinator, TrainingOutcome
 from bank.vertical.http_partner import HttpPartner
 from bank.vertical.in_process_party import InProcessParty
 from bank.vertical.results import write_run
-from parties.errors import BadMessage, ConfigError, DataError, NotAligned, OutOfOrder, UnknownSession
+from parties.errors import (
+    BadMessage,
+    ConfigError,
+    CutlayerError,
+    DataError,
+    NotAligned,
+    OutOfOrder,
+    UnknownSession,
+)
 from parties.learning.trained_bottom import ScoringBottom
-from parties.protocol.control import AlignmentInfo, AlignmentRequest, SessionList, SessionSummary
+from parties.protocol.common import READY
+from parties.protocol.control import (
+    AlignmentInfo,
+    AlignmentRequest,
+    PartnerList,
+    PartnerStatus,
+    RunDetail,
+    RunList,
+    SessionList,
+    SessionSummary,
+)
 from parties.storage.files import atomic_write_bytes, atomic_write_text
 from parties.tables.drift import judge_drift
 from parties.tables.table import AlignedRows, PartyTable, load_alignment, load_party_table, save_alignment
-from parties.transport.client import StepConnection, client_for
+from parties.transport.client import StepConnection, client_for, peer_certificate, server_identity
 from parties.transport.jobs import Job, JobRunner, Progress
-from parties.transport.tls import PeerIdentity
+from parties.transport.tls import PeerIdentity, handshake_failure
 
 __all__ = ["BankCore"]
 
@@ -96,6 +115,30 @@ def overlap_warnings(shares: dict[str, float], customers: int, expected: float |
             f"alike (the bank reads its IDs as {id_type}; the partner's service log reports IDs written in more "
             "than one way)"
             for name, share in shares.items() if share < FAR_BELOW * expected]
+
+
+#: How long the operator's partner check waits for each partner (seconds).
+PROBE_SECONDS = 5.0
+
+
+def probe_partner(client: httpx.Client, name: str, url: str) -> PartnerStatus:
+    """Ask a partner whether it is ready, and read the certificate it answered with."""
+    try:
+        response = client.get(url.rstrip("/") + READY)
+        identity = server_identity(response)  # raises PeerUntrusted: a certificate this bank does not trust
+    except CutlayerError as exc:
+        return PartnerStatus(name=name, url=url, reachable=False, problem=str(exc))
+    except httpx.HTTPError as exc:
+        why = handshake_failure(exc) or f"it did not answer ({type(exc).__name__}: {exc})"
+        return PartnerStatus(name=name, url=url, reachable=False, problem=why)
+    certificate = peer_certificate(response)
+    problem = None
+    if identity is not None and (identity.name, identity.role) != (name, "partner"):
+        problem = f"its certificate names {identity.role} {identity.name!r}, not partner {name!r}"
+    elif response.status_code == 503:
+        problem = "; ".join(response.json().get("problems", [])) or "not ready"
+    return PartnerStatus(name=name, url=url, reachable=True, ready=response.status_code == 200,
+                         certificate=certificate, problem=problem)
 
 
 class BankCore:
@@ -210,7 +253,7 @@ class BankCore:
             )
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
-                session_id=session_id, progress=lambda msg, frac=None, event=False: progress(msg, frac, event),
+                session_id=session_id, progress=lambda msg, frac=None, **more: progress(msg, frac, **more),
                 checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
             config = coordinator.config  # with what adapts to the table set: a resume needs nothing else
@@ -269,6 +312,31 @@ class BankCore:
         if (folder / "metrics.json").exists():
             return "finished"
         return "stopped"
+
+    def runs(self) -> RunList:
+        """Every training session's run folder, newest first, with a finished one's test metrics."""
+        runs = self.settings.state_path / "runs"
+        folders = sorted(runs.glob("*/training.json"), key=lambda p: p.stat().st_mtime) if runs.is_dir() else []
+        with self._lock:
+            states = {f.parent: self._session_state(f.parent) for f in folders}
+        return RunList(runs=[run_summary(folder, state) for folder, state in reversed(states.items())])
+
+    def run(self, session_id: str) -> RunDetail:
+        folder = session_folder(self.settings.state_path / "runs", session_id)
+        with self._lock:
+            state = self._session_state(folder)
+        return run_detail(folder, state)
+
+    def run_file(self, session_id: str, name: str) -> tuple[Path, str]:
+        return run_file(session_folder(self.settings.state_path / "runs", session_id), name)
+
+    def partner_status(self) -> PartnerList:
+        """Each configured partner, probed now: does it answer, as the partner its certificate must name?"""
+        found = []
+        with client_for(self.settings, timeout=PROBE_SECONDS) as client:
+            for name, url in self.settings.partners.items():
+                found.append(probe_partner(client, name, url))
+        return PartnerList(partners=found)
 
     def sessions(self) -> SessionList:
         """Every training session this bank started: running, stopped (resumable), finished or ended."""

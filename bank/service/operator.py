@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -12,7 +13,16 @@ from bank.config import TrainingConfig
 from parties.errors import CutlayerError, NotAligned, PeerError, PeerUntrusted
 from parties.protocol import control
 from parties.protocol.common import fill
-from parties.protocol.control import AlignmentRequest, JobStatus, SessionList
+from parties.protocol.control import (
+    AlignmentInfo,
+    AlignmentRequest,
+    JobList,
+    JobStatus,
+    PartnerList,
+    RunDetail,
+    RunList,
+    SessionList,
+)
 from parties.transport.client import make_client
 from parties.transport.tls import PeerIdentity, TLSFiles, handshake_failure
 
@@ -89,6 +99,33 @@ class BankOperator:
     def job(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("GET", fill(control.JOB, job_id=job_id)).json())
 
+    def jobs(self) -> JobList:
+        return JobList.model_validate(self._request("GET", control.JOBS).json())
+
+    def stop_job(self, job_id: str) -> JobStatus:
+        return JobStatus.model_validate(self._request("POST", fill(control.JOB_STOP, job_id=job_id)).json())
+
+    def alignment(self) -> AlignmentInfo | None:
+        """The current alignment, or ``None`` before the first."""
+        try:
+            return AlignmentInfo.model_validate(self._request("GET", control.ALIGNMENT).json())
+        except NotAligned:
+            return None
+
+    def partners(self) -> PartnerList:
+        return PartnerList.model_validate(self._request("GET", control.PARTNERS).json())
+
+    def runs(self) -> RunList:
+        return RunList.model_validate(self._request("GET", control.RUNS).json())
+
+    def run(self, session_id: str) -> RunDetail:
+        return RunDetail.model_validate(self._request("GET", fill(control.RUN, session_id=session_id)).json())
+
+    def run_file(self, session_id: str, name: str) -> httpx.Response:
+        """One of the files ``run`` lists, as the service sent it (its body and media type)."""
+        path = fill(control.RUN, session_id=session_id) + "/files/" + "/".join(quote(p, safe="") for p in name.split("/"))
+        return self._request("GET", path)
+
     def wait(
         self, job: JobStatus, on_progress: Callable[[JobStatus], None] | None = None, poll: float = 0.2
     ) -> dict[str, Any]:
@@ -101,8 +138,8 @@ class BankOperator:
                 on_progress(job)
             if job.state == "succeeded":
                 return job.result or {}
-            if job.state == "failed":
-                raise JobFailed(f"{job.kind} failed: {job.error}")
+            if job.state in ("failed", "stopped"):
+                raise JobFailed(f"{job.kind} {job.state}: {job.error}")
             time.sleep(poll)
 
     def close(self) -> None:

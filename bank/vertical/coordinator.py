@@ -292,6 +292,15 @@ class Coordinator(Recovery):
                      **{f"wait_seconds_{n}": round(s, 3) for n, s in self.wait_seconds.items()}},
         )
 
+    def _curve_point(self, row: dict[str, Any]) -> dict[str, float]:
+        """An epoch's figures for the operator's live curve, with the bytes and round trips of each partner so far."""
+        point = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+        for p in self.parties[1:]:
+            if hasattr(p, "round_trips"):  # a partner behind HTTP
+                point[f"bytes_{p.name}"] = float(p.bytes_sent + p.bytes_received)
+                point[f"round_trips_{p.name}"] = float(p.round_trips)
+        return point
+
     def _finish(self, loop: LoopState) -> tuple[dict[str, float], np.ndarray]:
         """Every party writes its model (the best epoch's, if asked); the test rows are scored."""
         assert self.top is not None
@@ -416,4 +425,6 @@ class Coordinator(Recovery):
                 loop.done = True
             if self.config.max_steps is not None and loop.step >= self.config.max_steps:
                 loop.done = True
+            self.progress(f"epoch {loop.epoch + 1}: train loss {row['train_loss']:.4f}, val {metric} {val[metric]:.4f}",
+                          TRAINING_SHARE * min(loop.step / total_steps, 1.0), point=self._curve_point(row))
             loop.next_epoch()

@@ -25,7 +25,13 @@ __all__ = [
     "ALIGNMENT",
     "ALIGNMENTS",
     "JOB",
+    "JOBS",
+    "JOB_STOP",
+    "PARTNERS",
     "RESUME",
+    "RUN",
+    "RUNS",
+    "RUN_FILE",
     "SCORES",
     "SCORINGS",
     "TRAINING",
@@ -33,7 +39,14 @@ __all__ = [
     "AlignmentInfo",
     "AlignmentList",
     "AlignmentRequest",
+    "Certificate",
+    "JobList",
     "JobStatus",
+    "PartnerList",
+    "PartnerStatus",
+    "RunDetail",
+    "RunList",
+    "RunSummary",
     "SessionList",
     "SessionSummary",
 ]
@@ -50,6 +63,12 @@ RESUME = "/trainings/{session_id}/resume"
 SCORINGS = "/scorings"
 SCORES = "/scorings/{job_id}/scores.csv"
 JOB = "/jobs/{job_id}"
+JOBS = "/jobs"
+JOB_STOP = "/jobs/{job_id}/stop"
+PARTNERS = "/partners"
+RUNS = "/runs"
+RUN = "/runs/{session_id}"
+RUN_FILE = "/runs/{session_id}/files/{name}"  # name: "manifest.json", "analysis/roc_pr.png"
 
 
 class AlignmentRequest(Message):
@@ -86,13 +105,15 @@ class AlignmentList(Message):
 class JobStatus(Message):
     job_id: str
     kind: str
-    state: Literal["pending", "running", "succeeded", "failed"]
+    state: Literal["pending", "running", "succeeded", "failed", "stopped"]
     progress: str = ""
     fraction: float | None = None
     error: str | None = None
     result: dict[str, object] | None = None
     events: list[str] = Field(default_factory=list, description="what the operator must see as it happens: a "
                               "partner retried, every party rolled back")
+    curve: list[dict[str, float]] = Field(default_factory=list, description="a training's epochs so far: losses, "
+                                          "validation figures, bytes and round trips per partner")
 
 
 class SessionSummary(Message):
@@ -108,3 +129,56 @@ class SessionSummary(Message):
 
 class SessionList(Message):
     sessions: list[SessionSummary]
+
+
+class JobList(Message):
+    jobs: list[JobStatus]
+
+
+class Certificate(Message):
+    """A peer's certificate as the bank's connection saw it: who it names, who issued it, when it ends."""
+
+    name: str | None
+    role: str | None
+    issuer: str
+    expires: str  # ISO 8601, UTC
+    days_left: float
+
+
+class PartnerStatus(Message):
+    """A configured partner, probed by the bank service: reachable and trusted, its certificate, or why not."""
+
+    name: str
+    url: str
+    reachable: bool
+    ready: bool | None = None  # what its /ready said
+    certificate: Certificate | None = None  # None on plain HTTP (--insecure), or when unreachable
+    problem: str | None = None
+
+
+class PartnerList(Message):
+    partners: list[PartnerStatus]
+
+
+class RunSummary(Message):
+    """A training session's run folder, as the bank's operator lists them: no rows, no IDs."""
+
+    session: str
+    state: str  # as SessionSummary's
+    started: str  # ISO 8601, UTC (when its folder was written)
+    alignment_id: str | None = None
+    test: dict[str, float] = Field(default_factory=dict)  # a finished run's test metrics
+
+
+class RunList(Message):
+    runs: list[RunSummary]
+
+
+class RunDetail(Message):
+    """A run for the operator: its metrics and epochs, and the files it may fetch (``RUN_FILE``)."""
+
+    summary: RunSummary
+    metrics: dict[str, object] = Field(default_factory=dict)
+    config: dict[str, object] = Field(default_factory=dict)
+    history: list[dict[str, float | None]] = Field(default_factory=list)
+    files: list[str] = Field(default_factory=list)

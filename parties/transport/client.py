@@ -11,6 +11,7 @@ its part, with no thread; httpx's synchronous API sends and reads in one call
 
 from __future__ import annotations
 
+import datetime as dt
 import http.client
 import socket
 import threading
@@ -20,17 +21,18 @@ from types import TracebackType
 from urllib.parse import urlsplit
 
 import httpx
+from cryptography import x509
 
 from parties.errors import PeerError, PeerUnavailable, PeerUntrusted
 from parties.protocol.common import CALLER_HEADER
+from parties.protocol.control import Certificate
 from parties.settings import ServiceSettings
 from parties.transport import sockets
 from parties.transport.tls import PeerIdentity, TLSFiles, handshake_failure
-from parties.transport.trust import check_peer, trust_for
+from parties.transport.trust import check_peer, party_of, trust_for
 
 __all__ = ["EXPECT", "PartyTransport", "StepConnection", "client_for", "expect_server", "make_client",
-           "party_transport",
-           "server_identity"]
+           "party_transport", "peer_certificate", "server_identity"]
 
 
 #: A request's extension naming the party it must reach (``PeerIdentity``): checked as its connection is made.
@@ -147,6 +149,20 @@ def server_identity(response: httpx.Response) -> PeerIdentity | None:
     if identity is None:
         raise PeerUntrusted(f"{response.url.host}:{response.url.port}: {problem}")
     return identity
+
+
+def peer_certificate(response: httpx.Response) -> Certificate | None:
+    """The server certificate of the connection ``response`` came on: whom it names, its issuer, its end."""
+    stream = response.extensions.get("network_stream")
+    ssl_object = stream.get_extra_info("ssl_object") if stream is not None else None
+    der = ssl_object.getpeercert(True) if ssl_object is not None else None
+    if not der:
+        return None
+    cert = x509.load_der_x509_certificate(der)
+    name, role = party_of(cert.subject)
+    ends = cert.not_valid_after_utc
+    return Certificate(name=name, role=role, issuer=cert.issuer.rfc4514_string(), expires=ends.isoformat(),
+                       days_left=round((ends - dt.datetime.now(dt.timezone.utc)).total_seconds() / 86400, 1))
 
 
 def expect_server(response: httpx.Response, name: str, role: str) -> None:

@@ -13,19 +13,31 @@ from parties.errors import CutlayerError, OutOfOrder, UnknownSession
 from parties.memory import release
 from parties.protocol.control import JobStatus
 
-__all__ = ["Job", "JobRunner", "Progress"]
+__all__ = ["Job", "JobRunner", "Progress", "Stopped"]
 
 logger = logging.getLogger(__name__)
 
 class Progress(Protocol):
     """``event``: a message the operator must see even if the next one follows at once (a retry, a rollback):
-    kept in the job's ``events`` besides being its progress."""
+    kept in the job's ``events`` besides being its progress. ``point``: a point of the job's curve (a training's
+    epoch: its losses and validation figures, the bytes so far), kept in the job's ``curve``.
 
-    def __call__(self, message: str, fraction: float | None = None, event: bool = False) -> None: ...
+    A job whose stop was asked for raises ``Stopped`` from the first report after the request: work stops where
+    it reports, which is where it can stop cleanly (a training between steps, an alignment between stages)."""
+
+    def __call__(self, message: str, fraction: float | None = None, event: bool = False,
+                 point: dict[str, float] | None = None) -> None: ...
 
 
-#: The most events a job keeps (the oldest go first).
+class Stopped(CutlayerError):
+    """The operator stopped the job."""
+
+    status_code = 409
+
+
+#: The most events a job keeps (the oldest go first), and the most points of its curve.
 MAX_EVENTS = 200
+MAX_POINTS = 2000
 
 
 @dataclass
@@ -38,7 +50,9 @@ class Job:
     error: str | None = None
     result: dict[str, Any] | None = None
     events: list[str] = field(default_factory=list)
+    curve: list[dict[str, float]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    stop_asked: threading.Event = field(default_factory=threading.Event)
 
     def status(self) -> JobStatus:
         return JobStatus(
@@ -50,6 +64,7 @@ class Job:
             error=self.error,
             result=self.result,
             events=list(self.events),
+            curve=list(self.curve),
         )
 
 
@@ -79,12 +94,20 @@ class JobRunner:
             job = Job(kind)
             self._jobs[job.job_id] = job
 
-        def say(message: str, fraction: float | None = None, event: bool = False) -> None:
+        stopping = threading.Event()  # set once Stopped is raised: the reports of the unwinding go through
+
+        def say(message: str, fraction: float | None = None, event: bool = False,
+                point: dict[str, float] | None = None) -> None:
+            if job.stop_asked.is_set() and not stopping.is_set():
+                stopping.set()
+                raise Stopped(f"stopped by the operator during: {job.progress or 'its start'}")
             job.progress = message
             if fraction is not None:
                 job.fraction = fraction
             if event:
                 job.events = [*job.events[-(MAX_EVENTS - 1):], message]
+            if point is not None:
+                job.curve = [*job.curve[-(MAX_POINTS - 1):], point]
 
         def run() -> None:
             job.state = "running"
@@ -95,6 +118,9 @@ class JobRunner:
                 job.result = work(say)
                 job.fraction = 1.0
                 job.state = "succeeded"
+            except Stopped as exc:
+                job.error, job.state = str(exc), "stopped"
+                logger.info("%s job %s stopped by the operator", kind, job.job_id)
             except CutlayerError as exc:
                 job.error, job.state = str(exc), "failed"
                 logger.warning("%s job %s failed: %s", kind, job.job_id, exc)
@@ -107,6 +133,19 @@ class JobRunner:
 
         threading.Thread(target=run, name=f"{kind}-{job.job_id[:8]}", daemon=True).start()
         return job
+
+    def stop(self, job_id: str) -> Job:
+        """Ask a running job to stop at its next report; a job that has ended is refused (``OutOfOrder``)."""
+        job = self.get(job_id)
+        if job.done.is_set():
+            raise OutOfOrder(f"job {job_id} has ended ({job.state}): nothing to stop")
+        job.stop_asked.set()
+        return job
+
+    def all(self) -> list[Job]:
+        """Every job this service ran since it started, oldest first."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def get(self, job_id: str) -> Job:
         try:
