@@ -144,6 +144,11 @@ def build_parser(prog: str = "python -m bank") -> argparse.ArgumentParser:
                    help="u-shaped, vanilla, relay, splitfed: skip training the single-process twin (and, "
                         "horizontal, the centralised model) to compare with")
     w.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
+    w.add_argument("--console", action="store_true",
+                   help="start the parties' services and the operator's console, then align, train, inspect and "
+                        "score in the browser (docs/how-to/console.md); Ctrl-C stops them all")
+    w.add_argument("--console-port", type=int, default=8600,
+                   help="with --console: the console's port on 127.0.0.1 (default %(default)s; 0: any free one)")
     w.add_argument("--partners", type=int, default=1,
                    help="spread the partner columns over N partners, each its own service (default %(default)s)")
     w.add_argument("--rows", type=int, default=None, help="use a seeded slice of N customers (default: all)")

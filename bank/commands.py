@@ -151,32 +151,14 @@ def score(args: argparse.Namespace) -> int:
 
 
 def console(args: argparse.Namespace) -> int:
-    import socket
-
-    import uvicorn
-
-    from bank.console.app import create_console
+    from bank.console.app import check_host, serve_console
     from bank.service.operator import BankOperator
-    from parties.transport.tls import is_loopback
 
-    if not is_loopback(args.host):
-        raise ConfigError(f"--host {args.host}: the console serves this machine only (it acts as the bank's "
-                          "operator over plain HTTP); bind it to 127.0.0.1 and reach it from elsewhere with ssh -L")
+    check_host(args.host)  # before anything is asked of the bank service
     tls = _operator_tls(args)
     with BankOperator(args.url, tls, args.name) as operator:
         operator.sessions()  # the bank service answers, to this certificate: else a clear refusal now
-        listening = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-        try:
-            listening.bind((args.host, args.port))
-        except OSError as exc:
-            raise ConfigError(f"--port {args.port}: cannot listen on {args.host} ({exc.strerror})") from exc
-        port = listening.getsockname()[1]
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        names = (f"{host}:{port}", f"localhost:{port}") if args.host == "127.0.0.1" else (f"{host}:{port}",)
-        app = create_console(operator, hosts=names)
-        print(f"Cutlayer console for the bank service at {args.url}; open it at\n"
-              f"  http://{names[0]}/?token={app.state.token}\n(Ctrl-C stops it)", flush=True)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
+        serve_console(operator, args.host, args.port, about=f" for the bank service at {args.url}")
     return 0
 
 
@@ -289,6 +271,9 @@ def walkthrough(args: argparse.Namespace) -> int:
     from bank.walkthrough import WalkthroughConfig, run_walkthrough
 
     if args.configuration != "vertical":
+        if args.console:
+            raise ConfigError(f"--console runs the vertical walkthrough's parties, not --configuration "
+                              f"{args.configuration}'s")
         from bank.configurations.commands import configuration_walkthrough
 
         return configuration_walkthrough(args)
@@ -300,6 +285,10 @@ def walkthrough(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     given = flag_values(args, TrainingConfig)
+    if args.console and given:
+        flags = ", ".join(sorted(flag_for(TrainingConfig, (k,)) for k in given))
+        raise ConfigError(f"{flags}: with --console you align and train in the console, whose training form "
+                          "takes every setting; drop the flag or the --console")
     training = _training_config(None, given, seed=args.seed)
     partner = flag_values(args, PartnerDefenses)
     partner_args = _partner_defenses(partner)
@@ -308,11 +297,15 @@ def walkthrough(args: argparse.Namespace) -> int:
         raise ConfigError(f"--hijack-monitor cannot watch a bank that adds gradient noise (--gradient-defense "
                           f"{training.gradient_defense}): the rank test reads that noise as a hijack. Protect "
                           "labels with --label-dp-epsilon alongside it (see docs/explanation/privacy.md)")
-    summary = run_walkthrough(
-        WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
-                          cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,
-                          training=training, partner_args=tuple(partner_args))
-    )
+    config = WalkthroughConfig(out=out, partners=args.partners, rows=args.rows, seed=args.seed,
+                               cache_dir=args.cache_dir, download=not args.no_download, workers=args.workers,
+                               training=training, partner_args=tuple(partner_args))
+    if args.console:
+        from bank.walkthrough import walkthrough_console
+
+        walkthrough_console(config, args.console_port)
+        return 0
+    summary = run_walkthrough(config)
     print_summary(out, summary)
     return 0
 

@@ -87,6 +87,38 @@ def _inside(out: Path, path: Path) -> str:
         return str(path.resolve())
 
 
+def _prepare(config: WalkthroughConfig) -> dict[str, Path]:
+    """The per-party files and the certificates, under the run folder; the parties' files by name."""
+    out = config.out
+    paths = prepare_bank_marketing(
+        out / "data", n_partners=config.partners, seed=config.seed, rows=config.rows,
+        cache=config.cache_dir, download=config.download,
+    )
+    write_dev_pki(out / "certs", {"bank": "bank", **{n: "partner" for n in paths if n != "bank"}})
+    return paths
+
+
+def walkthrough_console(config: WalkthroughConfig, port: int) -> None:
+    """The walkthrough's parties, each its own service, and the operator's console over the bank's: the
+    operator aligns, trains, inspects and scores in the browser. Until Ctrl-C, which stops them all."""
+    from bank.console.app import serve_console
+
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    locate_bank_full(config.cache_dir, download=config.download)
+    print("preparing the parties' files and certificates; starting their services", flush=True)
+    paths = _prepare(config)
+    services, bank_url = _start_services(config, paths)
+    try:
+        with BankOperator(bank_url, TLSFiles.from_dir(out / "certs", "bank")) as operator:
+            print(f"the bank service is at {bank_url}; its state, runs and models are under {out / 'bank'}; "
+                  f"a file to score: {paths['bank']} (the bank's own, every customer it holds)", flush=True)
+            serve_console(operator, "127.0.0.1", port, about=" for the walkthrough's bank")
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+
+
 def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
     """Run every step; return (and write to ``OUT/summary.json``) what happened."""
     out = config.out
@@ -94,15 +126,9 @@ def run_walkthrough(config: WalkthroughConfig) -> dict[str, Any]:
     started = time.perf_counter()
     locate_bank_full(config.cache_dir, download=config.download)  # a missing file is one line, before any bar
     with tqdm(total=4, desc="walkthrough", unit="step", position=0) as steps:
-        steps.set_postfix_str("preparing per-party files")
-        paths = prepare_bank_marketing(
-            out / "data", n_partners=config.partners, seed=config.seed, rows=config.rows,
-            cache=config.cache_dir, download=config.download,
-        )
-        steps.update()
-        steps.set_postfix_str("creating certificates")
-        write_dev_pki(out / "certs", {"bank": "bank", **{n: "partner" for n in paths if n != "bank"}})
-        steps.update()
+        steps.set_postfix_str("preparing per-party files and certificates")
+        paths = _prepare(config)
+        steps.update(2)
         steps.set_postfix_str("starting the services")
         services, bank_url = _start_services(config, paths)
         steps.update()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +109,17 @@ def test_partners_runs_and_stopping_a_training_through_the_bank_service(services
         operator.run("notasession")
 
 
+def test_a_stopped_alignment_commits_nothing(services) -> None:
+    operator, _, _ = services
+    job = operator.start_alignment(AlignmentRequest(partners=["partner"]))
+    operator.stop_job(job.job_id)
+    assert _wait(operator, job.job_id, ("stopped", "failed", "succeeded")) == "stopped"
+    assert "stopped by the operator" in operator.job(job.job_id).error
+    assert operator.alignment() is None
+    operator.wait(operator.start_alignment(AlignmentRequest(partners=["partner"])))  # the partner took it well
+    assert operator.alignment().rows > 1000
+
+
 def test_new_resources_are_for_the_banks_own_operator_only(services, pki) -> None:
     _, _, bank = services
     with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank2"), name="bank2") as stranger:
@@ -157,6 +169,30 @@ def test_the_console_answers_only_the_browser_that_opened_its_link(console) -> N
         assert browser.get("/runs/nosuchrun").status_code == 404
 
 
+def test_text_a_partner_wrote_cannot_script_the_console() -> None:
+    """A job's progress and error can carry a partner's words (its refusal's reason): they are text, never code."""
+    from parties.protocol.control import JobStatus
+
+    hostile = "</script><script>window.owned = 1</script><img src=x onerror=alert(1)>"
+
+    class Operator:
+        def job(self, job_id: str) -> JobStatus:
+            return JobStatus(job_id=job_id, kind="training", state="failed", progress=hostile, error=hostile,
+                             curve=[{"epoch": 1.0, "train_loss": 0.5}])
+
+    app = create_console(Operator())  # type: ignore[arg-type]
+    server = ServerThread(app, None).start()
+    try:
+        with httpx.Client(base_url=server.url) as browser:
+            browser.get(f"/?token={app.state.token}")
+            page = browser.get("/jobs/abc").text
+    finally:
+        server.stop()
+    assert hostile not in page and "<img src=x" not in page and "<script>window.owned" not in page
+    assert "\\u003c/script\\u003e" in page  # in the script's JSON, escaped
+    assert "&lt;/script&gt;" in page  # in the page's text, escaped
+
+
 def test_the_console_refuses_an_address_beyond_this_machine(pki) -> None:
     done = subprocess.run([sys.executable, "-m", "bank", "console", "--url", "https://127.0.0.1:9", "--tls-dir",
                            str(pki), "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
@@ -164,6 +200,35 @@ def test_the_console_refuses_an_address_beyond_this_machine(pki) -> None:
     done = subprocess.run([sys.executable, "-m", "bank", "console", "--url", "https://127.0.0.1:9", "--tls-dir",
                            str(pki)], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert done.returncode != 0 and "did not answer" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_walkthrough_with_the_console_serves_its_parties_until_stopped(bank_full: Path, tmp_path: Path) -> None:
+    """``python -m bank walkthrough --console``, the newcomer's way: the parties' services and the console, which
+    sees the partner ready; Ctrl-C stops them all."""
+    env = {**os.environ, "CUTLAYER_DATA_DIR": str(bank_full.parent)}
+    process = subprocess.Popen([sys.executable, "-m", "bank", "walkthrough", "--console", "--console-port", "0",
+                                "--rows", "2000", "--workers", "1", "--out", str(tmp_path / "run"), "--no-download"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        lines = []
+        while not (link := re.search(r"http://127\.0\.0\.1:\d+/\?token=\S+", "".join(lines))):
+            line = process.stdout.readline()
+            assert line, f"the walkthrough printed no link: {''.join(lines)} {process.stderr.read()}"
+            lines.append(line)
+        bank_url = re.search(r"the bank service is at (https://127\.0\.0\.1:\d+)", "".join(lines)).group(1)
+        assert str(tmp_path / "run" / "data" / "bank" / "bank.csv") in "".join(lines)  # a file to score, named
+        with httpx.Client() as browser:
+            home = browser.get(link.group(0), follow_redirects=True)
+        assert home.status_code == 200 and re.search(r'data-name="partner">.*?ready', home.text, re.S)
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) in (0, 130)  # 130: the shell's code for Ctrl-C
+    assert "Traceback" not in process.stderr.read()
+    with pytest.raises(httpx.ConnectError):  # the bank service stopped with it
+        httpx.get(bank_url + "/health", verify=False)
+    refused = subprocess.run([sys.executable, "-m", "bank", "walkthrough", "--console", "--epochs", "3"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert refused.returncode == 2 and "--epochs" in refused.stderr and "training form" in refused.stderr
 
 
 # --- in a real browser -------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from bank.service.operator import BankOperator
 from parties.errors import CutlayerError
 from parties.protocol.control import AlignmentRequest
 
-__all__ = ["COOKIE", "create_console"]
+__all__ = ["COOKIE", "check_host", "create_console", "serve_console"]
 
 HERE = Path(__file__).parent
 COOKIE = "cutlayer_console"
@@ -155,7 +155,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
             job = operator.job(job_id)
         except CutlayerError as exc:
             return page(request, "missing.html", status=404, what=f"job {job_id}", reason=str(exc))
-        return page(request, "job.html", job=job, job_json=job.model_dump_json())
+        return page(request, "job.html", job=job)
 
     @app.get("/api/jobs/{job_id}")
     def job_json(job_id: str) -> Response:
@@ -197,7 +197,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
                     continue
         audit = {k: tables.pop(k) for k in ("label_leakage", "inversion") if k in tables}
         return page(request, "run.html", run=run, figures=figures, tables=tables, audit=audit,
-                    history_json=json.dumps(run.history), config_json=json.dumps(run.config, indent=2))
+                    config_json=json.dumps(run.config, indent=2))
 
     @app.get("/runs/{session_id}/files/{name:path}")
     def run_file(session_id: str, name: str) -> Response:
@@ -233,6 +233,41 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
         return RedirectResponse(f"/jobs/{job.job_id}", status_code=303)
 
     return app
+
+
+def check_host(host: str) -> None:
+    """Refuse an address beyond this machine: the console acts as the bank's operator over plain HTTP."""
+    from parties.errors import ConfigError
+    from parties.transport.tls import is_loopback
+
+    if not is_loopback(host):
+        raise ConfigError(f"--host {host}: the console serves this machine only (it acts as the bank's operator "
+                          "over plain HTTP); bind it to 127.0.0.1 and reach it from elsewhere with ssh -L")
+
+
+def serve_console(operator: BankOperator, host: str, port: int, about: str = "") -> None:
+    """Serve the console on ``host:port`` (a loopback address; port 0: any free one) until Ctrl-C, after
+    printing the link to open it with. ``about``: what the first line says it is for."""
+    import socket
+
+    import uvicorn
+
+    from parties.errors import ConfigError
+
+    check_host(host)
+    listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        raise ConfigError(f"--port {port}: cannot listen on {host} ({exc.strerror}); choose another port") from exc
+    bound = listening.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    names = (f"{shown}:{bound}", f"localhost:{bound}") if host == "127.0.0.1" else (f"{shown}:{bound}",)
+    app = create_console(operator, hosts=names)
+    print(f"Cutlayer console{about}; open it at\n  http://{names[0]}/?token={app.state.token}\n(Ctrl-C stops it)",
+          flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
 
 
 def _reason(exc: Exception) -> str:
