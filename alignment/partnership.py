@@ -142,7 +142,8 @@ class Partnership:
         if ids + declared > self.ids_per_day():
             return (f"{side} {peer!r} brought {ids:,} IDs to PSI in the last 24 hours; {declared:,} more would pass "
                     f"the limit of {self.ids_per_day():,} (--peer-ids-per-day; every session counts, aborted ones "
-                    "too)")
+                    "and scorings too): each session's IDs leave the count 24 hours after it opened, or this party's "
+                    "operator raises the limit as the partnership agrees")
         return None
 
     def record(self, event: str, peer: str, **fields: Value) -> str:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from parties.transport.tls import TLSFiles
 
 __all__ = [
-    "print_scoring", "print_summary", "align", "console", "score", "serve", "sessions", "train", "training_config",
+    "align", "console", "print_scoring", "print_summary", "score", "serve", "sessions", "train", "training_config",
     "walkthrough",
 ]
 
@@ -222,9 +223,12 @@ def _training_config(path: Path | None, flags: dict[str, object], **values: obje
     return training_config(json_settings(path, SETTINGS_EXAMPLE) | values, f" in {path}" if path else "", flags)
 
 
-def training_config(values: dict[str, object], where: str, flags: dict[str, object]) -> TrainingConfig:
+def training_config(values: dict[str, object], where: str, flags: dict[str, object],
+                    flag_name: Callable[[tuple[Any, ...]], str] | None = None) -> TrainingConfig:
     """Training settings from ``values`` (a settings file's, or the console's box), then the flags over them,
-    checked as ``train`` checks them: a problem names the flag it came from, or ``where`` for the rest."""
+    checked as ``train`` checks them: a problem names the flag it came from (``flag_name``, default the
+    command line's), or ``where`` for the rest."""
+    name_flag = flag_name or (lambda loc: flag_for(TrainingConfig, loc))
     from parties.settings import describe_problems
 
     values = values | flags
@@ -234,10 +238,10 @@ def training_config(values: dict[str, object], where: str, flags: dict[str, obje
     try:
         config = TrainingConfig(**values)
     except ValidationError as exc:
-        problems = describe_problems(exc, lambda loc: flag_for(TrainingConfig, loc) if loc and loc[0] in flags
+        problems = describe_problems(exc, lambda loc: name_flag(loc) if loc and loc[0] in flags
                                      else ".".join(str(p) for p in loc))
         raise ConfigError(f"invalid training settings{where}: {problems}") from exc
-    return _knob_applies(flags, config) if flags else config
+    return _knob_applies(flags, config)
 
 
 def _misplaced(key: str) -> str:

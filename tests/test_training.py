@@ -106,7 +106,7 @@ def test_progress_reaches_its_end_only_when_training_has(tmp_path: Path) -> None
     labels = (np.random.default_rng(2).random(400) < 0.3).astype(int).astype(str).tolist()
     coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=3, patience=5, batch_size=32)
     calls: list[tuple[str, float | None]] = []
-    coordinator.progress = lambda message, fraction=None: calls.append((message, fraction))
+    coordinator.progress = lambda message, fraction=None, **_: calls.append((message, fraction))
     coordinator.run()
     fractions = [f for _, f in calls if f is not None]
     assert fractions == sorted(fractions) and max(fractions) < 1  # the job sets 1.0 when it has ended

@@ -2,9 +2,10 @@
 
 Every page is rendered here from what the bank service answers the bank's own operator (``BankOperator``, with
 the bank's certificate); the console holds no state of its own and reads no folder. It serves plain HTTP on
-loopback only, and only to a browser that opened the link it printed: that link carries a secret token, kept
-in a strict same-site cookie, so neither another user of the machine nor a web page open in the browser can
-act as the bank's operator through it.
+loopback only, under a secret path: the link it prints, ``http://127.0.0.1:PORT/TOKEN/``. Anything else gets
+a 404, so neither another user of the machine nor a web page open in the browser (another port on
+127.0.0.1 included: cookies would be shared with it, a path is not) can act as the bank's operator through it.
+Pages run no inline script (a content security policy says so): what a partner wrote stays text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import csv
 import io
 import json
 import secrets
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,42 @@ from bank.service.operator import BankOperator
 from parties.errors import CutlayerError
 from parties.protocol.control import AlignmentRequest
 
-__all__ = ["COOKIE", "check_host", "create_console", "serve_console"]
+__all__ = ["Guard", "check_host", "create_console", "serve_console"]
 
 HERE = Path(__file__).parent
-COOKIE = "cutlayer_console"
 #: The most rows of a table from a run's analysis a page shows.
 TABLE_ROWS = 50
-#: The settings box's first content: what ``python -m bank train`` runs without a settings file.
-DEFAULT_SETTINGS = '{"epochs": 20}'
+#: The settings box's first content: none, which trains as ``python -m bank train`` does without a settings file.
+DEFAULT_SETTINGS = ""
+#: The training form's fields beside the box, as the command line's flags over a settings file: field -> label.
+FIELDS = {"epochs": "the epochs field", "max_steps": "the most-steps field"}
+
+
+#: The most characters of a table's cell a page shows.
+CELL_CHARS = 200
+
+
+def _cell(text: str) -> str:
+    """A table's cell as a page shows it: a fraction to 4 significant digits (1,000 and more to one decimal),
+    anything else as written, cut to ``CELL_CHARS``."""
+    if "." in text:
+        try:
+            value = float(text)
+        except ValueError:
+            pass
+        else:
+            return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return text if len(text) <= CELL_CHARS else text[:CELL_CHARS] + "…"
 
 
 def _csv_table(body: bytes) -> dict[str, Any]:
-    rows = list(csv.reader(io.StringIO(body.decode("utf-8", "replace"))))
+    """A table of a run's analysis, for a page: its first ``TABLE_ROWS`` rows, each cell cut to ``CELL_CHARS``."""
+    rows: list[list[str]] = []
+    try:
+        for row in csv.reader(io.StringIO(body.decode("utf-8", "replace").replace("\0", ""))):
+            rows.append([_cell(cell) for cell in row])
+    except csv.Error as exc:
+        rows.append([f"(the rest does not read as CSV: {exc})"])
     header, rows = (rows[0], rows[1:]) if rows else ([], [])
     return {"header": header, "rows": rows[:TABLE_ROWS], "more": max(len(rows) - TABLE_ROWS, 0)}
 
@@ -52,41 +76,87 @@ def _number(text: str, what: str, kind: type = float) -> Any:
     try:
         return kind(text)
     except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a number") from None
+        raise ValueError(f"{what}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
+
+
+#: What every answer of the console carries: its pages run only its own script, load only its own files, sit
+#: in no frame, and leave their address (its secret) in no other site's Referer.
+SECURITY_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                                 b"object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'"),
+    (b"referrer-policy", b"same-origin"),  # not no-referrer: a form's Origin would be "null", and refused
+    (b"x-content-type-options", b"nosniff"),
+    (b"cache-control", b"no-store"),
+]
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+class Guard:
+    """Admit a request only under the console's secret path and by one of its own host names, the secret then
+    being the app's root path; refuse a form posted from another origin; add ``SECURITY_HEADERS``."""
+
+    def __init__(self, app: Any, token: str, hosts: tuple[str, ...]) -> None:
+        self.app, self.prefix, self.hosts = app, f"/{token}".encode(), hosts
+
+    def _host_ok(self, host: str) -> bool:
+        return host in self.hosts if self.hosts else host.rsplit(":", 1)[0] in LOOPBACK_NAMES
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        path = scope["path"].encode("utf-8", "surrogateescape")
+        head, slash, _ = path.partition(b"/")[2].partition(b"/")
+        if not self._host_ok(host):
+            response: Response = PlainTextResponse("the console answers on its own address only", status_code=421)
+        elif not secrets.compare_digest(b"/" + head, self.prefix):
+            response = PlainTextResponse("not found: open the console with the link it printed", status_code=404)
+        elif not slash:  # the secret without its slash: relative links need it
+            response = RedirectResponse(self.prefix.decode() + "/", status_code=307)
+        elif scope["method"] == "POST" and headers.get("origin") not in (None, f"http://{host}"):
+            response = PlainTextResponse("a form from another origin", status_code=403)
+        else:
+            # As a proxy mounts an app: the routes see the path after the secret (Starlette strips root_path).
+            inner = dict(scope, root_path=scope.get("root_path", "") + self.prefix.decode())
+            await self.app(inner, receive, _with_headers(send))
+            return
+        await response(scope, receive, _with_headers(send))
+
+
+def _with_headers(send: Any) -> Any:
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = dict(message, headers=[*message.get("headers", []), *SECURITY_HEADERS])
+        await send(message)
+
+    return sending
 
 
 def create_console(operator: BankOperator, *, token: str | None = None, hosts: tuple[str, ...] = ()) -> FastAPI:
-    """The console app over ``operator``. ``token``: the secret in the link (default: a fresh one, in
-    ``app.state.token``); ``hosts``: the ``host:port`` names a browser may reach it by (default: any loopback)."""
+    """The console app over ``operator``. ``token``: the secret of its path (default: a fresh one, in
+    ``app.state.token``; the link is ``/TOKEN/``); ``hosts``: the ``host:port`` names a browser may reach it by
+    (default: any loopback name)."""
     app = FastAPI(title="Cutlayer console", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.token = token or secrets.token_urlsafe(32)
-    app.state.hosts = hosts
+    app.add_middleware(Guard, token=app.state.token, hosts=hosts)
     templates = Jinja2Templates(directory=HERE / "templates")
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    base = f"/{app.state.token}/"
 
-    @app.middleware("http")
-    async def only_the_operator(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        host = request.headers.get("host", "")
-        allowed = app.state.hosts or ()
-        if (allowed and host not in allowed) or (not allowed and host.rsplit(":", 1)[0] not in
-                                                  ("127.0.0.1", "localhost", "[::1]")):
-            return PlainTextResponse("the console answers on its own address only", status_code=421)
-        given = request.query_params.get("token")
-        if given is not None and secrets.compare_digest(given, app.state.token):
-            response = RedirectResponse(request.url.path, status_code=303)  # the token leaves the address bar
-            response.set_cookie(COOKIE, app.state.token, httponly=True, samesite="strict")
-            return response
-        if not secrets.compare_digest(request.cookies.get(COOKIE, ""), app.state.token):
-            return PlainTextResponse("open the console with the link `python -m bank console` printed "
-                                     "(it carries the console's token)", status_code=401)
-        return await call_next(request)
+    def go(path: str) -> RedirectResponse:
+        """After a form: to ``path`` under the secret (a relative path, as the pages' links are)."""
+        return RedirectResponse(base + path, status_code=303)
 
     def page(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
-        return templates.TemplateResponse(request, name, context, status_code=status)
+        return templates.TemplateResponse(request, name, {"base": base, **context}, status_code=status)
 
-    def home(request: Request, error: str | None = None, settings: str = DEFAULT_SETTINGS) -> HTMLResponse:
+    def home(request: Request, error: str | None = None, settings: str = DEFAULT_SETTINGS,
+             fields: dict[str, str] | None = None) -> HTMLResponse:
         sections: dict[str, Any] = {}
         problems: list[str] = []
+        unknown: list[str] = []  # what the bank service did not tell
         for key, fetch in (("partners", lambda: operator.partners().partners),
                            ("alignment", operator.alignment), ("jobs", lambda: operator.jobs().jobs),
                            ("sessions", lambda: operator.sessions().sessions), ("runs", lambda: operator.runs().runs)):
@@ -94,10 +164,23 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
                 sections[key] = fetch()
             except CutlayerError as exc:
                 sections[key] = None
+                unknown.append(key)
                 if str(exc) not in problems:
                     problems.append(str(exc))
         return page(request, "home.html", status=422 if error else 200, error=error, problems=problems,
-                    settings=settings, defaults=TrainingConfig().model_dump_json(indent=2), **sections)
+                    settings=settings, fields=fields or {}, defaults=TrainingConfig().model_dump_json(indent=2),
+                    default_epochs=TrainingConfig().epochs, unknown=unknown,
+                    **sections)
+
+    @app.get("/alignments")
+    @app.get("/trainings")
+    def forms_home() -> RedirectResponse:
+        """A form's address reloaded or bookmarked: the page the form is on."""
+        return go("")
+
+    @app.get("/scorings")
+    def scoring_home() -> RedirectResponse:
+        return go("score")
 
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> HTMLResponse:
@@ -117,21 +200,24 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
             job = operator.start_alignment(body)
         except (ValueError, ValidationError, CutlayerError) as exc:
             return home(request, error=f"alignment not started: {_reason(exc)}")
-        return RedirectResponse(f"/jobs/{job.job_id}", status_code=303)
+        return go(f"jobs/{job.job_id}")
 
     @app.post("/trainings")
     def train(request: Request, settings: str = Form(""), epochs: str = Form(""),
               max_steps: str = Form("")) -> Response:
         from bank.commands import SETTINGS_EXAMPLE, training_config
 
+        given = {"epochs": epochs, "max_steps": max_steps}
         try:
-            flags = {k: v for k, v in (("epochs", _number(epochs, "epochs", int)),
-                                       ("max_steps", _number(max_steps, "most steps", int))) if v is not None}
+            flags = {k: v for k, v in ((k, _number(text, FIELDS[k], int)) for k, text in given.items())
+                     if v is not None}
             values = json_text_settings(settings, "the settings box", SETTINGS_EXAMPLE)
-            job = operator.start_training(training_config(values, " in the settings box", flags))
+            config = training_config(values, " (the settings box and fields)", flags,
+                                     flag_name=lambda loc: FIELDS.get(str(loc[0]), str(loc[0])))
+            job = operator.start_training(config)
         except (ValueError, CutlayerError) as exc:
-            return home(request, error=f"training not started: {_reason(exc)}", settings=settings)
-        return RedirectResponse(f"/jobs/{job.job_id}", status_code=303)
+            return home(request, error=f"training not started: {_reason(exc)}", settings=settings, fields=given)
+        return go(f"jobs/{job.job_id}")
 
     @app.post("/sessions/{session_id}/resume")
     def resume(request: Request, session_id: str) -> Response:
@@ -139,7 +225,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
             job = operator.resume_training(session_id)
         except CutlayerError as exc:
             return home(request, error=f"session {session_id} not resumed: {exc}")
-        return RedirectResponse(f"/jobs/{job.job_id}", status_code=303)
+        return go(f"jobs/{job.job_id}")
 
     @app.post("/sessions/{session_id}/end")
     def end(request: Request, session_id: str) -> Response:
@@ -147,7 +233,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
             operator.end_session(session_id)
         except CutlayerError as exc:
             return home(request, error=f"session {session_id} not ended: {exc}")
-        return RedirectResponse("/", status_code=303)
+        return go("")
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(request: Request, job_id: str) -> HTMLResponse:
@@ -170,7 +256,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
             operator.stop_job(job_id)
         except CutlayerError as exc:
             return page(request, "missing.html", status=409, what=f"job {job_id}", reason=str(exc))
-        return RedirectResponse(f"/jobs/{job_id}", status_code=303)
+        return go(f"jobs/{job_id}")
 
     @app.get("/jobs/{job_id}/scores.csv")
     def scores(job_id: str) -> Response:
@@ -213,9 +299,9 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
     @app.get("/score", response_class=HTMLResponse)
     def score_page(request: Request, model: str = "", error: str | None = None) -> HTMLResponse:
         try:
-            models = [r for r in operator.runs().runs if r.state == "finished"]
+            models: list[Any] | None = [r for r in operator.runs().runs if r.state == "finished"]
         except CutlayerError as exc:
-            models, error = [], error or str(exc)
+            models, error = None, error or str(exc)
         return page(request, "score.html", status=422 if error else 200, models=models, chosen=model, error=error)
 
     @app.post("/scorings")
@@ -230,7 +316,7 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
                                          _number(max_overlap, "largest overlap"))
         except (ValueError, CutlayerError) as exc:
             return score_page(request, model=model, error=f"scoring not started: {_reason(exc)}")
-        return RedirectResponse(f"/jobs/{job.job_id}", status_code=303)
+        return go(f"jobs/{job.job_id}")
 
     return app
 
@@ -265,7 +351,7 @@ def serve_console(operator: BankOperator, host: str, port: int, about: str = "")
     shown = f"[{host}]" if ":" in host else host
     names = (f"{shown}:{bound}", f"localhost:{bound}") if host == "127.0.0.1" else (f"{shown}:{bound}",)
     app = create_console(operator, hosts=names)
-    print(f"Cutlayer console{about}; open it at\n  http://{names[0]}/?token={app.state.token}\n(Ctrl-C stops it)",
+    print(f"Cutlayer console{about}; open it at\n  http://{names[0]}/{app.state.token}/\n(Ctrl-C stops it)",
           flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
 

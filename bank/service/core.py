@@ -6,7 +6,9 @@ import json
 import logging
 import shutil
 import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -117,28 +119,65 @@ def overlap_warnings(shares: dict[str, float], customers: int, expected: float |
             for name, share in shares.items() if share < FAR_BELOW * expected]
 
 
-#: How long the operator's partner check waits for each partner (seconds).
+#: How long the operator's partner check waits for each partner, all told (seconds); the most of its answer read.
 PROBE_SECONDS = 5.0
+PROBE_BYTES = 4096
 
 
-def probe_partner(client: httpx.Client, name: str, url: str) -> PartnerStatus:
-    """Ask a partner whether it is ready, and read the certificate it answered with."""
+def probe_partner(settings: BankSettings, name: str, url: str) -> PartnerStatus:
+    """Ask a partner whether it is ready, and read the certificate it answered with: within ``PROBE_SECONDS``
+    all told (a partner that answers a byte at a time is cut off), reading at most ``PROBE_BYTES``."""
+    client = client_for(settings, timeout=PROBE_SECONDS)
+    expired = threading.Event()
+
+    def cut_off() -> None:  # closing the client ends a read that drags on
+        expired.set()
+        client.close()
+
+    deadline = threading.Timer(PROBE_SECONDS, cut_off)
+    deadline.start()
     try:
-        response = client.get(url.rstrip("/") + READY)
-        identity = server_identity(response)  # raises PeerUntrusted: a certificate this bank does not trust
+        with client.stream("GET", url.rstrip("/") + READY) as response:
+            identity = server_identity(response)  # raises PeerUntrusted: a certificate this bank does not trust
+            certificate = peer_certificate(response)
+            body = b""
+            for chunk in response.iter_raw():
+                body += chunk
+                if len(body) >= PROBE_BYTES:
+                    break
     except CutlayerError as exc:
-        return PartnerStatus(name=name, url=url, reachable=False, problem=str(exc))
-    except httpx.HTTPError as exc:
-        why = handshake_failure(exc) or f"it did not answer ({type(exc).__name__}: {exc})"
-        return PartnerStatus(name=name, url=url, reachable=False, problem=why)
-    certificate = peer_certificate(response)
+        return PartnerStatus(name=name, url=url, reachable=False, problem=_short(str(exc)))
+    except Exception as exc:  # noqa: BLE001 (httpx's errors, or a read the deadline cut: all say it did not answer)
+        if expired.is_set():
+            why = f"it did not answer within {PROBE_SECONDS:.0f} s"
+        else:
+            why = handshake_failure(exc) or f"it did not answer ({type(exc).__name__}: {exc})"
+        return PartnerStatus(name=name, url=url, reachable=False, problem=_short(why))
+    finally:
+        deadline.cancel()
+        client.close()
     problem = None
     if identity is not None and (identity.name, identity.role) != (name, "partner"):
         problem = f"its certificate names {identity.role} {identity.name!r}, not partner {name!r}"
-    elif response.status_code == 503:
-        problem = "; ".join(response.json().get("problems", [])) or "not ready"
+    elif response.status_code != 200:
+        problem = f"not ready (HTTP {response.status_code})" + _problems(body)
     return PartnerStatus(name=name, url=url, reachable=True, ready=response.status_code == 200,
-                         certificate=certificate, problem=problem)
+                         certificate=certificate, problem=_short(problem) if problem else None)
+
+
+def _problems(body: bytes) -> str:
+    """What a partner's /ready says is wrong, if it says it as its service does (a JSON list of words)."""
+    try:
+        problems = json.loads(body).get("problems")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
+        return ""
+    return ": " + "; ".join(problems[:3]) if problems else ""
+
+
+def _short(text: str, most: int = 300) -> str:
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 class BankCore:
@@ -154,6 +193,8 @@ class BankCore:
         self.ceilings: dict[str, float] = json.loads(ceilings.read_text()) if ceilings.exists() else {}
         self.pairwise: dict[str, int] = {}
         self._running: set[str] = set()  # training sessions this process is running
+        self._probe_lock = threading.Lock()
+        self._probed: tuple[float, PartnerList] | None = None  # the last probe of the partners: when it ended
         self._lock = threading.Lock()
 
     def partners(self, names: list[str] | None) -> dict[str, str]:
@@ -264,6 +305,8 @@ class BankCore:
                 progress(f"{setting}: {value}", 0.0)
             progress("resuming" if resume else "starting the parties' sessions", 0.0)
             outcome = coordinator.run(resume=resume is not None)
+        # Every party has ended the session as finished: the run is written whatever the operator asks now.
+        progress.finishing()
         communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
         files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
         subsets = train_subset_models(
@@ -331,12 +374,17 @@ class BankCore:
         return run_file(session_folder(self.settings.state_path / "runs", session_id), name)
 
     def partner_status(self) -> PartnerList:
-        """Each configured partner, probed now: does it answer, as the partner its certificate must name?"""
-        found = []
-        with client_for(self.settings, timeout=PROBE_SECONDS) as client:
-            for name, url in self.settings.partners.items():
-                found.append(probe_partner(client, name, url))
-        return PartnerList(partners=found)
+        """Each configured partner, probed now, all at once: does it answer, as the partner its certificate must
+        name? One round at a time: a caller that waited for a round gets its answer."""
+        asked = time.monotonic()
+        with self._probe_lock:
+            if self._probed is not None and self._probed[0] >= asked:
+                return self._probed[1]
+            partners = self.settings.partners
+            with ThreadPoolExecutor(max_workers=max(1, len(partners)), thread_name_prefix="probe") as threads:
+                found = list(threads.map(lambda item: probe_partner(self.settings, *item), partners.items()))
+            self._probed = (time.monotonic(), PartnerList(partners=found))
+            return self._probed[1]
 
     def sessions(self) -> SessionList:
         """Every training session this bank started: running, stopped (resumable), finished or ended."""

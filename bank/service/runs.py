@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import numbers
 from pathlib import Path
@@ -16,10 +17,12 @@ from typing import Any
 
 import pandas as pd
 
-from parties.errors import DataError, UnknownSession
+from parties.errors import UnknownSession
 from parties.protocol.control import RunDetail, RunSummary
 
 __all__ = ["MEDIA_TYPES", "run_detail", "run_file", "run_files", "run_summary", "session_folder"]
+
+logger = logging.getLogger(__name__)
 
 #: A run's own files the operator may fetch, by the name it fetches them with.
 TOP_FILES = {"metrics.json": "metrics.json", "config.json": "config.json", "history.csv": "history.csv",
@@ -34,30 +37,39 @@ def _started(folder: Path) -> str:
 
 
 def _json(path: Path) -> dict[str, Any]:
+    """A run file's JSON object; ``{}`` when it is missing or not one (said in the log: one odd run folder does
+    not hide the others)."""
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise DataError(f"run file {path.name} does not read as JSON ({exc})") from exc
+        logger.warning("run file %s does not read as JSON (%s)", path, exc)
+        return {}
     return value if isinstance(value, dict) else {}
 
 
 def run_summary(folder: Path, state: str) -> RunSummary:
     started = _json(folder / "training.json")
-    test = _json(folder / "metrics.json").get("test", {})
+    test = _json(folder / "metrics.json").get("test")
+    test = test if isinstance(test, dict) else {}
     return RunSummary(session=folder.name, state=state, started=_started(folder),
-                      alignment_id=started.get("alignment_id"),
+                      alignment_id=str(started.get("alignment_id") or "") or None,
                       test={k: f for k, v in test.items() if (f := _finite(v)) is not None})
+
+
+def _plain(path: Path, folder: Path) -> bool:
+    """A regular file of the run's own, not a link to one elsewhere (a prediction file, another folder)."""
+    return path.is_file() and not path.is_symlink() and path.resolve().is_relative_to(folder.resolve())
 
 
 def run_files(folder: Path) -> list[str]:
     """The names ``run_file`` serves for this run: those of ``TOP_FILES`` it has, then its analysis."""
-    names = [name for name, path in TOP_FILES.items() if (folder / path).is_file()]
+    names = [name for name, path in TOP_FILES.items() if _plain(folder / path, folder)]
     analysis = folder / "analysis"
-    if analysis.is_dir():
+    if analysis.is_dir() and not analysis.is_symlink():
         names += sorted(f"analysis/{f.name}" for f in analysis.iterdir()
-                        if f.is_file() and f.suffix in MEDIA_TYPES and not f.name.startswith("."))
+                        if f.suffix in MEDIA_TYPES and not f.name.startswith(".") and _plain(f, folder))
     return names
 
 
@@ -87,9 +99,14 @@ def _clean(value: Any) -> Any:
 def run_detail(folder: Path, state: str) -> RunDetail:
     history: list[dict[str, float | None]] = []
     if (folder / "history.csv").is_file():
-        frame = pd.read_csv(folder / "history.csv")
-        history = [{k: _finite(v) for k, v in row.items()} for row in frame.to_dict("records")]
-    config = _json(folder / "training.json").get("config", {})
+        try:
+            frame = pd.read_csv(folder / "history.csv")
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+            logger.warning("run file %s does not read as a table (%s)", folder / "history.csv", exc)
+        else:
+            history = [{str(k): _finite(v) for k, v in row.items()} for row in frame.to_dict("records")]
+    config = _json(folder / "training.json").get("config")
+    config = config if isinstance(config, dict) else {}
     return RunDetail(summary=run_summary(folder, state), metrics=_clean(_json(folder / "metrics.json")), config=config,
                      history=history, files=run_files(folder))
 

@@ -30,7 +30,7 @@ from bank.vertical.aggregation import get_aggregation
 from bank.vertical.defenses import GradientDefense, bank_secret, randomized_response
 from bank.vertical.local_steps import LocalTop
 from bank.vertical.party import TrainingParty
-from bank.vertical.recovery import Recovery
+from bank.vertical.recovery import RESUMING, Recovery
 from bank.vertical.schedule import Split, epoch_batches, split_rows
 from bank.vertical.state import LoopState
 from parties.errors import Behind, CutlayerError, PeerError, PeerUnavailable, StorageError, UnknownSession
@@ -88,7 +88,7 @@ class Coordinator(Recovery):
         self.task, self.targets, self.parties = task, targets, list(parties)
         self.alignment_id = alignment_id
         self.session_id = session_id or uuid.uuid4().hex
-        self.progress = progress or (lambda _msg, _frac=None, event=False: None)
+        self.progress = progress or (lambda _msg, _frac=None, **_more: None)
         self.aggregation = get_aggregation(config.aggregation)
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints, no rollback
         self.secret = secret or bank_secret(config, checkpoint_dir, self.session_id)
@@ -246,7 +246,7 @@ class Coordinator(Recovery):
         if resume and self._checkpoint_steps():
             top, optimizer = self._reattach()
             self.top = top
-            loop = self._rollback(LoopState(grads=[], book=self._book()), optimizer, "resuming after the bank stopped")
+            loop = self._rollback(LoopState(grads=[], book=self._book()), optimizer, RESUMING)
             if self.audit is not None:  # what crossed before the bank stopped was in the memory it lost
                 self.audit.first_step = loop.step
         else:  # a session the bank stopped before its first checkpoint starts again, the same way

@@ -37,6 +37,10 @@ __all__ = ["Recovery"]
 logger = logging.getLogger(__name__)
 
 
+#: The cause of the rollback a resume starts with (after the bank stopped, or the operator stopped the job).
+RESUMING = "resuming after the bank stopped"
+
+
 class Recovery:
     """The part of the coordinator that checkpoints and rolls back: a mixin over the coordinator's
     own state, declared here."""
@@ -99,8 +103,8 @@ class Recovery:
             return self._restart(optimizer, cause)
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
-        self.progress(f"a party restarted; rolling every party back to step {step}, the newest all of them "
-                      "checkpointed", None, event=True)
+        what = ("resuming" if cause == RESUMING else "a party restarted; rolling every party back")
+        self.progress(f"{what} from step {step}, the newest all of them checkpointed", None, event=True)
         for p in self.parties:
             p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import uuid
 from collections.abc import Callable
@@ -20,13 +21,18 @@ logger = logging.getLogger(__name__)
 class Progress(Protocol):
     """``event``: a message the operator must see even if the next one follows at once (a retry, a rollback):
     kept in the job's ``events`` besides being its progress. ``point``: a point of the job's curve (a training's
-    epoch: its losses and validation figures, the bytes so far), kept in the job's ``curve``.
+    epoch: its losses and validation figures, the bytes so far), kept in the job's ``curve`` (figures that are
+    not finite left out).
 
     A job whose stop was asked for raises ``Stopped`` from the first report after the request: work stops where
-    it reports, which is where it can stop cleanly (a training between steps, an alignment between stages)."""
+    it reports, which is where it can stop cleanly (a training between steps, an alignment between stages).
+    ``finishing()``: from here the work completes whatever is asked (its parties have ended their sessions as
+    finished): a stop is refused."""
 
     def __call__(self, message: str, fraction: float | None = None, event: bool = False,
                  point: dict[str, float] | None = None) -> None: ...
+
+    def finishing(self) -> None: ...
 
 
 class Stopped(CutlayerError):
@@ -52,7 +58,9 @@ class Job:
     events: list[str] = field(default_factory=list)
     curve: list[dict[str, float]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
-    stop_asked: threading.Event = field(default_factory=threading.Event)
+    stop_asked: bool = False  # the operator asked it to stop: its next report raises Stopped
+    finishing: bool = False  # past the point where it may stop
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def status(self) -> JobStatus:
         return JobStatus(
@@ -66,6 +74,35 @@ class Job:
             events=list(self.events),
             curve=list(self.curve),
         )
+
+
+class _Reporter:
+    """A job's ``Progress``: records its reports; raises ``Stopped`` once, at the first after a stop request."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.raised = False  # the reports of the unwinding that follows go through
+
+    def __call__(self, message: str, fraction: float | None = None, event: bool = False,
+                 point: dict[str, float] | None = None) -> None:
+        job = self.job
+        with job.lock:
+            stop = job.stop_asked and not job.finishing and not self.raised
+            self.raised |= stop
+        if stop:
+            raise Stopped(f"stopped by the operator during: {job.progress or 'its start'}")
+        job.progress = message
+        if fraction is not None:
+            job.fraction = fraction
+        if event:
+            job.events = [*job.events[-(MAX_EVENTS - 1):], message]
+        if point is not None:
+            finite = {k: float(v) for k, v in point.items() if math.isfinite(v)}
+            job.curve = [*job.curve[-(MAX_POINTS - 1):], finite]
+
+    def finishing(self) -> None:
+        with self.job.lock:
+            self.job.finishing = True
 
 
 #: Longest a job waits for the service's start-up imports before it runs anyway (seconds).
@@ -89,25 +126,14 @@ class JobRunner:
 
     def submit(self, kind: str, work: Callable[[Progress], dict[str, Any]]) -> Job:
         with self._lock:
-            if any(j.kind == kind and not j.done.is_set() for j in self._jobs.values()):
-                raise OutOfOrder(f"a {kind} job is already running")
+            running = [j.job_id for j in self._jobs.values() if j.kind == kind and not j.done.is_set()]
+            if running:
+                raise OutOfOrder(f"a {kind} job is already running (job {running[0]}): wait for it to end, or "
+                                 "stop it")
             job = Job(kind)
             self._jobs[job.job_id] = job
 
-        stopping = threading.Event()  # set once Stopped is raised: the reports of the unwinding go through
-
-        def say(message: str, fraction: float | None = None, event: bool = False,
-                point: dict[str, float] | None = None) -> None:
-            if job.stop_asked.is_set() and not stopping.is_set():
-                stopping.set()
-                raise Stopped(f"stopped by the operator during: {job.progress or 'its start'}")
-            job.progress = message
-            if fraction is not None:
-                job.fraction = fraction
-            if event:
-                job.events = [*job.events[-(MAX_EVENTS - 1):], message]
-            if point is not None:
-                job.curve = [*job.curve[-(MAX_POINTS - 1):], point]
+        say = _Reporter(job)
 
         def run() -> None:
             job.state = "running"
@@ -135,11 +161,15 @@ class JobRunner:
         return job
 
     def stop(self, job_id: str) -> Job:
-        """Ask a running job to stop at its next report; a job that has ended is refused (``OutOfOrder``)."""
+        """Ask a running job to stop at its next report; a job that has ended, or is finishing, is refused
+        (``OutOfOrder``)."""
         job = self.get(job_id)
-        if job.done.is_set():
-            raise OutOfOrder(f"job {job_id} has ended ({job.state}): nothing to stop")
-        job.stop_asked.set()
+        with job.lock:
+            if job.done.is_set():
+                raise OutOfOrder(f"job {job_id} has ended ({job.state}): nothing to stop")
+            if job.finishing:
+                raise OutOfOrder(f"job {job_id} is finishing ({job.progress}): it can no longer stop")
+            job.stop_asked = True
         return job
 
     def all(self) -> list[Job]:

@@ -1,4 +1,5 @@
-// The console's only script: a learning curve drawn with Chart.js, and a job page that follows its job.
+// The console's only script: a learning curve drawn with Chart.js, a job page that follows its job, and a
+// confirmation before a form that cannot be undone. Pages carry their data as JSON blocks, never as script.
 "use strict";
 
 // Training's own loss and every validation figure, one line each, by epoch.
@@ -42,13 +43,14 @@ function showTraffic(table, point) {
 function followJob(job) {
   const canvas = document.getElementById("curve");
   const chart = canvas ? drawCurve(canvas, job.curve) : null;
+  if (canvas) canvas.dataset.epochs = job.curve.length;
   showTraffic(document.getElementById("traffic"), job.curve[job.curve.length - 1]);
   let ended = !["pending", "running"].includes(job.state);
   if (ended) return;
   const tick = async () => {
     let now;
     try {
-      const response = await fetch("/api/jobs/" + job.job_id, { credentials: "same-origin" });
+      const response = await fetch("api/jobs/" + job.job_id, { credentials: "same-origin" });
       if (!response.ok) throw new Error(response.status);
       now = await response.json();
     } catch (e) {
@@ -81,3 +83,20 @@ function followJob(job) {
   };
   setTimeout(tick, 1000);
 }
+
+function dataOf(id) {
+  const block = document.getElementById(id);
+  return block ? JSON.parse(block.textContent) : null;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const job = dataOf("job-data");
+  if (job) followJob(job);
+  const history = dataOf("history-data");
+  if (history) drawCurve(document.getElementById("curve"), history);
+  for (const form of document.querySelectorAll("form[data-confirm]")) {
+    form.addEventListener("submit", (event) => {
+      if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+    });
+  }
+});
