@@ -12,8 +12,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,18 +154,24 @@ def test_a_partner_that_drags_or_floods_its_answer_is_cut_off(pki, bank_full: Pa
 
     dragging = ServerThread(Starlette(routes=[Route("/ready", drip)]), TLSFiles.from_dir(pki, "partner")).start()
     flooding = ServerThread(Starlette(routes=[Route("/ready", flood)]), TLSFiles.from_dir(pki, "partner2")).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never starts TLS: the handshake waits
     try:
         monkeypatch.setattr(core, "PROBE_SECONDS", 1.5)
         paths = prepare_bank_marketing(tmp_path / "data", rows=300, cache=bank_full.parent, download=False)
-        bank = start_bank(paths["bank"], {"partner": dragging.url, "partner2": flooding.url})
+        bank = start_bank(paths["bank"], {"partner": dragging.url, "partner2": flooding.url,
+                                          "silent": f"https://127.0.0.1:{silent.getsockname()[1]}"})
         with BankOperator(bank.url, TLSFiles.from_dir(pki, "bank")) as operator:
-            started = time.monotonic()
-            found = {p.name: p for p in operator.partners().partners}
-            took = time.monotonic() - started
+            for _ in range(2):  # the second while the silent partner's first probe still waits: it shares it
+                started = time.monotonic()
+                found = {p.name: p for p in operator.partners().partners}
+                took = time.monotonic() - started
+                assert took < 4, took  # the deadline (1.5 s) and the slack of a loaded machine
+                assert not found["silent"].reachable and "did not answer within 2 s" in found["silent"].problem
+            assert sum(t.name == "probe-silent" for t in threading.enumerate()) == 1
     finally:
         dragging.stop()
         flooding.stop()
-    assert took < 6, took  # the deadline (1.5 s), a last read (1.5 s), and the slack of a loaded machine
+        silent.close()
     assert not found["partner"].reachable and "did not answer within 2 s" in found["partner"].problem
     assert found["partner2"].reachable and not found["partner2"].ready
     assert found["partner2"].problem == "not ready (HTTP 503)"

@@ -166,3 +166,36 @@ def test_a_party_that_is_always_behind_stops_the_run_after_a_bounded_number_of_r
     with pytest.raises(PeerError, match=f"rolled back {MAX_ROLLBACKS} times, the most one run does: training stopped"):
         run.run()
     assert run.rollbacks == MAX_ROLLBACKS and AlwaysBehind.answers == MAX_ROLLBACKS + 1
+
+
+def test_a_stop_asked_while_the_parties_end_a_finished_session_is_refused(tmp_path: Path) -> None:
+    """Once training has finished, every party ends its session as finished (a partner then drops its
+    checkpoints): a stop from then on would leave a session reported stopped that can no longer resume, so
+    it is refused, and the job completes."""
+    from parties.errors import OutOfOrder
+    from parties.transport.jobs import JobRunner
+
+    labels = (np.random.default_rng(3).random(300) < 0.3).astype(int).astype(str).tolist()
+    coordinator, _ = _in_process(tmp_path, labels, "binary", epochs=2, batch_size=64)
+    runner, refusals = JobRunner(), []
+    partner = coordinator.parties[1]
+    ending = partner.end
+
+    def end(finished: bool) -> None:  # the operator presses Stop as the partner ends its session
+        try:
+            runner.stop(job.job_id)
+        except OutOfOrder as exc:
+            refusals.append(str(exc))
+        ending(finished=finished)
+
+    partner.end = end
+
+    def work(say):
+        coordinator.progress = say
+        coordinator.run()
+        say("finishing: writing the run")
+        return {"finished": True}
+
+    job = runner.submit("training", work)
+    assert job.done.wait(120) and job.state == "succeeded" and job.result == {"finished": True}
+    assert refusals and "can no longer stop" in refusals[0]

@@ -347,9 +347,10 @@ def serve_console(operator: BankOperator, host: str, port: int, about: str = "")
     except OSError as exc:
         listening.close()
         raise ConfigError(f"--port {port}: cannot listen on {host} ({exc.strerror}); choose another port") from exc
+    listening.listen(128)  # before the link is printed: a browser that opens it at once waits, is not refused
     bound = listening.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    names = (f"{shown}:{bound}", f"localhost:{bound}") if host == "127.0.0.1" else (f"{shown}:{bound}",)
+    names = (f"{shown}:{bound}",)  # not localhost: a browser may try [::1] first, where another could listen
     app = create_console(operator, hosts=names)
     print(f"Cutlayer console{about}; open it at\n  http://{names[0]}/{app.state.token}/\n(Ctrl-C stops it)",
           flush=True)

@@ -8,7 +8,6 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -169,7 +168,7 @@ def _problems(body: bytes) -> str:
     """What a partner's /ready says is wrong, if it says it as its service does (a JSON list of words)."""
     try:
         problems = json.loads(body).get("problems")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: "[" * 4000
         return ""
     if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
         return ""
@@ -194,7 +193,8 @@ class BankCore:
         self.pairwise: dict[str, int] = {}
         self._running: set[str] = set()  # training sessions this process is running
         self._probe_lock = threading.Lock()
-        self._probed: tuple[float, PartnerList] | None = None  # the last probe of the partners: when it ended
+        # Per partner, its latest probe: a partner that never lets its probe end holds one thread, not one a call.
+        self._probes: dict[str, tuple[threading.Thread, list[PartnerStatus]]] = {}
         self._lock = threading.Lock()
 
     def partners(self, names: list[str] | None) -> dict[str, str]:
@@ -294,7 +294,7 @@ class BankCore:
             )
             coordinator = Coordinator(
                 config, task, targets, [own, *partners], alignment_id=alignment.alignment_id,
-                session_id=session_id, progress=lambda msg, frac=None, **more: progress(msg, frac, **more),
+                session_id=session_id, progress=progress,
                 checkpoint_dir=runs / session_id / "checkpoints" / "coordinator",
             )
             config = coordinator.config  # with what adapts to the table set: a resume needs nothing else
@@ -305,8 +305,6 @@ class BankCore:
                 progress(f"{setting}: {value}", 0.0)
             progress("resuming" if resume else "starting the parties' sessions", 0.0)
             outcome = coordinator.run(resume=resume is not None)
-        # Every party has ended the session as finished: the run is written whatever the operator asks now.
-        progress.finishing()
         communication = {p.name: communication_stats(p, coordinator, outcome) for p in partners}
         files = {p.name: f.files for p, f in zip([own, *partners], coordinator.files)}
         subsets = train_subset_models(
@@ -375,16 +373,30 @@ class BankCore:
 
     def partner_status(self) -> PartnerList:
         """Each configured partner, probed now, all at once: does it answer, as the partner its certificate must
-        name? One round at a time: a caller that waited for a round gets its answer."""
-        asked = time.monotonic()
+        name? Answers within ``PROBE_SECONDS`` whatever a partner does: a probe still running then is reported
+        as not answering, and one of a partner at a time runs (a caller meanwhile shares it)."""
+        deadline = time.monotonic() + PROBE_SECONDS
+        probes = {name: self._probe(name, url) for name, url in self.settings.partners.items()}
+        found = []
+        for name, (thread, answer) in probes.items():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            found.append(answer[0] if answer else PartnerStatus(
+                name=name, url=self.settings.partners[name], reachable=False,
+                problem=f"it did not answer within {PROBE_SECONDS:.0f} s"))
+        return PartnerList(partners=found)
+
+    def _probe(self, name: str, url: str) -> tuple[threading.Thread, list[PartnerStatus]]:
+        """The probe of ``name`` running now, else a new one: a thread, and the list its answer goes into."""
         with self._probe_lock:
-            if self._probed is not None and self._probed[0] >= asked:
-                return self._probed[1]
-            partners = self.settings.partners
-            with ThreadPoolExecutor(max_workers=max(1, len(partners)), thread_name_prefix="probe") as threads:
-                found = list(threads.map(lambda item: probe_partner(self.settings, *item), partners.items()))
-            self._probed = (time.monotonic(), PartnerList(partners=found))
-            return self._probed[1]
+            running = self._probes.get(name)
+            if running is not None and running[0].is_alive():
+                return running
+            answer: list[PartnerStatus] = []
+            thread = threading.Thread(target=lambda: answer.append(probe_partner(self.settings, name, url)),
+                                      name=f"probe-{name}", daemon=True)
+            thread.start()
+            self._probes[name] = (thread, answer)
+            return thread, answer
 
     def sessions(self) -> SessionList:
         """Every training session this bank started: running, stopped (resumable), finished or ended."""

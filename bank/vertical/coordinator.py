@@ -278,6 +278,8 @@ class Coordinator(Recovery):
                     raise StorageError(f"{who}{exc}. Training stopped; {self._last_consistent()}") from exc
             finished = True
         finally:
+            if finished and hasattr(self.progress, "finishing"):  # a job's reporter: a stop is refused from here on
+                self.progress.finishing()
             for p in self.parties:
                 try:
                     p.end(finished=finished)

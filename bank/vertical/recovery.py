@@ -103,8 +103,8 @@ class Recovery:
             return self._restart(optimizer, cause)
         step = max(common)
         logger.warning("session %s: %s; rolling every party back to step %d", self.session_id, cause, step)
-        what = ("resuming" if cause == RESUMING else "a party restarted; rolling every party back")
-        self.progress(f"{what} from step {step}, the newest all of them checkpointed", None, event=True)
+        what = "resuming from" if cause == RESUMING else "a party restarted; rolling every party back to"
+        self.progress(f"{what} step {step}, the newest all of them checkpointed", None, event=True)
         for p in self.parties:
             p.restore(step)
         checkpoint = read_checkpoint(self.checkpoint_dir, step)
