@@ -165,7 +165,9 @@ def test_a_partner_that_drags_or_floods_its_answer_is_cut_off(pki, bank_full: Pa
                 started = time.monotonic()
                 found = {p.name: p for p in operator.partners().partners}
                 took = time.monotonic() - started
-                assert took < 4, took  # the deadline (1.5 s) and the slack of a loaded machine
+                # The deadline (1.5 s) and the slack of a loaded machine; without it, the silent partner's TLS
+                # handshake alone waits 10 s.
+                assert took < 6, took
                 assert not found["silent"].reachable and "did not answer within 2 s" in found["silent"].problem
             assert sum(t.name == "probe-silent" for t in threading.enumerate()) == 1
     finally:
