@@ -126,7 +126,7 @@ def test_drift_on_few_customers_is_judged_only_when_gross_and_says_so() -> None:
     with pytest.raises(DataError, match="'x0' 0.30"):
         judge_drift({"bank": {"x0": 0.3}}, False, {"bank": 500})
     few = judge_drift({"bank": {"x0": 0.6}}, False, {"bank": 80})  # noise on 80 rows: not refused, and said
-    assert few == ["bank: drift judged on 80 customers (fewer than 200): only gross drift, above 1.0, is refused"]
+    assert few == ["bank: drift judged on 80 customers (fewer than 200): only gross drift, a column's population stability index above 1.0, is refused"]
     with pytest.raises(DataError, match="'x0' 8.24"):  # another party's columns: refused on 80 rows too
         judge_drift({"bank": {"x0": 8.24}}, False, {"bank": 80})
     none = judge_drift({"bank": {}}, False, {"bank": 12})

@@ -130,7 +130,7 @@ def judge_drift(drift: dict[str, Drift], accept: bool, rows: dict[str, int]) -> 
             continue
         if rows[party] < FULL_DRIFT_ROWS:
             notes.append(f"{party}: drift judged on {rows[party]} customers (fewer than {FULL_DRIFT_ROWS}): only "
-                         f"gross drift, above {GROSS_PSI}, is refused")
+                         f"gross drift, a column's population stability index above {GROSS_PSI}, is refused")
         moved[party] = {c: v for c, v in cols.items() if v > bounds[0]}
         refused[party] = {c: v for c, v in cols.items() if v > bounds[1]}
     refused = {p: cols for p, cols in refused.items() if cols}
