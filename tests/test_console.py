@@ -210,7 +210,7 @@ def console(services) -> Iterator[tuple[str, str]]:
     server.stop()
 
 
-def test_the_console_answers_only_under_its_secret_path_and_its_own_name(console) -> None:
+def test_the_console_answers_only_under_its_secret_path_and_its_own_name(console, services) -> None:
     url, token = console
     for path in ("/", "/jobs/x", "/static/console.js", f"/{token[:-1]}/", "/%C3%A9/", f"/x/{token}/"):
         assert httpx.get(url + path).status_code == 404, path
@@ -244,6 +244,15 @@ def test_the_console_answers_only_under_its_secret_path_and_its_own_name(console
         assert refused.status_code == 422 and "expect_overlap" in refused.text
         assert browser.get("jobs/nosuchjob").status_code == 404
         assert browser.get("runs/nosuchrun").status_code == 404
+        assert browser.post("jobs/nosuchjob/stop").status_code == 404
+        # A stop that comes after the job ended (it finished between the page's last poll and the click) lands
+        # on the job's own page, its result and why nothing was stopped.
+        operator = services[0]
+        job = operator.start_alignment(AlignmentRequest(partners=["partner"]))
+        operator.wait(job)
+        late = browser.post(f"jobs/{job.job_id}/stop")
+        assert late.status_code == 409 and 'id="stop-refused"' in late.text and "has ended (succeeded)" in late.text
+        assert 'id="aligned"' in late.text and 'id="stop-form"' not in late.text
 
 
 def test_text_a_partner_wrote_cannot_script_the_console() -> None:
@@ -379,12 +388,13 @@ def test_align_train_inspect_and_score_in_the_browser(services, browser, pki, tm
         aligned = browser.find_element(By.ID, "aligned").text
         assert int(aligned.split()[0].replace(",", "")) > 1000
 
-        # Train; the curve grows while it trains, the traffic table fills; stop it once it has two epochs.
+        # Train; the curve grows while it trains, the traffic table fills; stop it once it has two epochs. (No
+        # early stopping, and epochs enough that it is still training when the click comes on a fast machine.)
         browser.find_element(By.LINK_TEXT, "Partnership, jobs and runs").click()
         box = browser.find_element(By.ID, "settings")
         box.clear()
-        box.send_keys('{"batch_size": 64, "partners": ["partner"], "top": {"hidden": [16]}}')
-        browser.find_element(By.ID, "epochs").send_keys("30")
+        box.send_keys('{"batch_size": 32, "patience": 60, "partners": ["partner"], "top": {"hidden": [16]}}')
+        browser.find_element(By.ID, "epochs").send_keys("60")
         browser.find_element(By.ID, "start-training").click()
         wait.until(lambda b: int(b.find_element(By.ID, "curve").get_attribute("data-epochs") or 0) >= 2)
         traffic = browser.find_elements(By.CSS_SELECTOR, "#traffic tr.traffic-row")

@@ -255,7 +255,13 @@ def create_console(operator: BankOperator, *, token: str | None = None, hosts: t
         try:
             operator.stop_job(job_id)
         except CutlayerError as exc:
-            return page(request, "missing.html", status=409, what=f"job {job_id}", reason=str(exc))
+            # Most often the job ended (or began finishing) between the page's last poll and the click: its own
+            # page, with its result and why nothing was stopped.
+            try:
+                job = operator.job(job_id)
+            except CutlayerError:
+                return page(request, "missing.html", status=404, what=f"job {job_id}", reason=str(exc))
+            return page(request, "job.html", status=409, job=job, refused=str(exc))
         return go(f"jobs/{job_id}")
 
     @app.get("/jobs/{job_id}/scores.csv")
