@@ -140,7 +140,7 @@ def test_a_partner_that_drags_or_floods_its_answer_is_cut_off(pki, bank_full: Pa
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from bank.service import core
+    from bank.service import probe
 
     async def drip(request):
         async def forever():
@@ -156,7 +156,7 @@ def test_a_partner_that_drags_or_floods_its_answer_is_cut_off(pki, bank_full: Pa
     flooding = ServerThread(Starlette(routes=[Route("/ready", flood)]), TLSFiles.from_dir(pki, "partner2")).start()
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never starts TLS: the handshake waits
     try:
-        monkeypatch.setattr(core, "PROBE_SECONDS", 1.5)
+        monkeypatch.setattr(probe, "PROBE_SECONDS", 1.5)
         paths = prepare_bank_marketing(tmp_path / "data", rows=300, cache=bank_full.parent, download=False)
         bank = start_bank(paths["bank"], {"partner": dragging.url, "partner2": flooding.url,
                                           "silent": f"https://127.0.0.1:{silent.getsockname()[1]}"})
