@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bank.service.core import overlap_warnings
+from bank.service.aligner import overlap_warnings
 from bank.service.operator import BankOperator, JobFailed
 from bank.task import Task
 from parties.errors import DataError

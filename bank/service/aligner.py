@@ -44,7 +44,8 @@ from parties.limits import DEFAULT_MAX_OVERLAP, PsiLimits
 from parties.tables.table import AlignedRows, PartyTable
 from parties.transport.jobs import Progress
 
-__all__ = ["AlignmentMode", "align_with_partners", "seeded_order"]
+__all__ = ["ABOVE_EXPECTED", "CEILINGS", "AlignmentMode", "align_with_partners", "overlap_ceiling", "overlap_warnings",
+           "seeded_order"]
 
 AlignmentMode = Literal["concurrent", "sequential"]
 
@@ -233,3 +234,31 @@ def _concurrently(
             logger.warning("alignment also failed: %s", later)
         raise failures[0]
     return {n: futures[n].result() for n in names}  # a cancelled one raises here
+
+
+#: A partner matching less than this share of the overlap the operator expects is warned about.
+FAR_BELOW = 0.75
+#: A partner matching more than the share the operator expects plus this is refused (before any commit).
+ABOVE_EXPECTED = 0.05
+CEILINGS = "overlap-ceilings.json"  # per partner, the largest share it may match (set by its alignments)
+
+
+def overlap_ceiling(max_overlap: float | None, expected: float | None, default: float) -> float:
+    """The largest share of the bank's customers a partner may match: as asked, else what the operator expects
+    plus ``ABOVE_EXPECTED``, else the bank's setting."""
+    if max_overlap is not None:
+        return max_overlap
+    if expected is not None:
+        return min(1.0, expected + ABOVE_EXPECTED)
+    return default
+
+
+def overlap_warnings(shares: dict[str, float], customers: int, expected: float | None, id_type: str) -> list[str]:
+    """Per partner whose share of the bank's customers is far below ``expected``: what it matched, and what to check."""
+    if expected is None:
+        return []
+    return [f"partner {name!r} matched {share:.1%} of the bank's {customers:,} customers, far below the "
+            f"{expected:.0%} expected: check that both parties' files hold the same customers and write their IDs "
+            f"alike (the bank reads its IDs as {id_type}; the partner's service log reports IDs written in more "
+            "than one way)"
+            for name, share in shares.items() if share < FAR_BELOW * expected]

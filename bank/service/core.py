@@ -20,15 +20,15 @@ from bank.config import TrainingConfig
 from bank.scoring.manifest import read_manifest
 from bank.scoring.scorer import score_customers
 from bank.scoring.subsets import train_subset_models
-from bank.service.aligner import align_with_partners
+from bank.service.aligner import ABOVE_EXPECTED, CEILINGS, align_with_partners, overlap_ceiling, overlap_warnings
 from bank.service.probe import PartnerProbes
 from bank.service.runs import run_detail, run_file, run_summary, session_folder
 from bank.settings import BankSettings
 from bank.task import Task
-from bank.vertical.coordinator import Coordinator, TrainingOutcome
+from bank.vertical.coordinator import Coordinator
 from bank.vertical.http_partner import HttpPartner
 from bank.vertical.in_process_party import InProcessParty
-from bank.vertical.results import write_run
+from bank.vertical.results import communication_stats, write_run
 from parties.errors import (
     BadMessage,
     ConfigError,
@@ -59,60 +59,6 @@ __all__ = ["BankCore"]
 logger = logging.getLogger(__name__)
 
 ENDED = "ended"  # in a run folder: the operator ended the session; it never resumes
-
-
-def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome: TrainingOutcome) -> dict[str, float]:
-    """Bytes (HTTP bodies) and round trips with one partner, next to the theoretical minimum.
-
-    Per step: the training steps' messages alone, against what they must carry at float32 (each
-    training row's embedding and its gradient). In total and per epoch: everything, evaluation
-    embeddings included, against the same plus each evaluation row's embedding.
-    """
-    total = partner.bytes_sent + partner.bytes_received
-    minimum = 4 * partner.width * (2 * coordinator.train_rows_sent + coordinator.eval_rows_sent)
-    step_minimum = 4 * partner.width * 2 * coordinator.train_rows_sent
-    steps, epochs = max(outcome.steps, 1), max(len(outcome.history), 1)
-    return {
-        "round_trips": partner.round_trips,
-        "bytes_sent": partner.bytes_sent,
-        "bytes_received": partner.bytes_received,
-        "bytes_total": total,
-        "minimum_bytes_total": minimum,
-        "step_bytes_total": partner.step_bytes,
-        "bytes_per_step": partner.step_bytes / steps,
-        "minimum_bytes_per_step": step_minimum / steps,
-        "bytes_per_epoch": total / epochs,
-        "minimum_bytes_per_epoch": minimum / epochs,
-        "overhead_ratio": total / minimum if minimum else float("nan"),
-    }
-
-
-#: A partner matching less than this share of the overlap the operator expects is warned about.
-FAR_BELOW = 0.75
-#: A partner matching more than the share the operator expects plus this is refused (before any commit).
-ABOVE_EXPECTED = 0.05
-CEILINGS = "overlap-ceilings.json"  # per partner, the largest share it may match (set by its alignments)
-
-
-def overlap_ceiling(max_overlap: float | None, expected: float | None, default: float) -> float:
-    """The largest share of the bank's customers a partner may match: as asked, else what the operator expects
-    plus ``ABOVE_EXPECTED``, else the bank's setting."""
-    if max_overlap is not None:
-        return max_overlap
-    if expected is not None:
-        return min(1.0, expected + ABOVE_EXPECTED)
-    return default
-
-
-def overlap_warnings(shares: dict[str, float], customers: int, expected: float | None, id_type: str) -> list[str]:
-    """Per partner whose share of the bank's customers is far below ``expected``: what it matched, and what to check."""
-    if expected is None:
-        return []
-    return [f"partner {name!r} matched {share:.1%} of the bank's {customers:,} customers, far below the "
-            f"{expected:.0%} expected: check that both parties' files hold the same customers and write their IDs "
-            f"alike (the bank reads its IDs as {id_type}; the partner's service log reports IDs written in more "
-            "than one way)"
-            for name, share in shares.items() if share < FAR_BELOW * expected]
 
 
 class BankCore:

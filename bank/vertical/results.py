@@ -13,24 +13,27 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import save as save_tensors
 
-from bank.scoring.calibration import MIN_METRIC_ROWS
 from bank.config import TrainingConfig
+from bank.scoring.calibration import MIN_METRIC_ROWS
 from bank.scoring.manifest import Manifest, PartyEntry, write_manifest
 from bank.scoring.subsets import SubsetModels
 from bank.task import Task
-from bank.vertical.coordinator import TrainingOutcome
+from bank.vertical.coordinator import Coordinator, TrainingOutcome
 from parties.errors import DataError
 from parties.storage.files import atomic_write_bytes, atomic_write_text, private_dir
 from parties.storage.layout import model_folder
 
-__all__ = ["Run", "is_configuration_run", "latest_run", "load_run", "resolve_run", "write_run"]
+if TYPE_CHECKING:  # the bank's client of a partner service; not needed to read a run
+    from bank.vertical.http_partner import HttpPartner
+
+__all__ = ["Run", "communication_stats", "is_configuration_run", "latest_run", "load_run", "resolve_run", "write_run"]
 
 
 def _json(path: Path, value: Any) -> None:
@@ -266,3 +269,29 @@ def load_run(path: Path | str | None = None, root: Path | str = "runs") -> Run:
         predictions=pd.read_csv(folder / "test_predictions.csv"),
         summary=_read_json(summary_path) if summary_path.exists() else {},
     )
+
+
+def communication_stats(partner: HttpPartner, coordinator: Coordinator, outcome: TrainingOutcome) -> dict[str, float]:
+    """Bytes (HTTP bodies) and round trips with one partner, next to the theoretical minimum.
+
+    Per step: the training steps' messages alone, against what they must carry at float32 (each
+    training row's embedding and its gradient). In total and per epoch: everything, evaluation
+    embeddings included, against the same plus each evaluation row's embedding.
+    """
+    total = partner.bytes_sent + partner.bytes_received
+    minimum = 4 * partner.width * (2 * coordinator.train_rows_sent + coordinator.eval_rows_sent)
+    step_minimum = 4 * partner.width * 2 * coordinator.train_rows_sent
+    steps, epochs = max(outcome.steps, 1), max(len(outcome.history), 1)
+    return {
+        "round_trips": partner.round_trips,
+        "bytes_sent": partner.bytes_sent,
+        "bytes_received": partner.bytes_received,
+        "bytes_total": total,
+        "minimum_bytes_total": minimum,
+        "step_bytes_total": partner.step_bytes,
+        "bytes_per_step": partner.step_bytes / steps,
+        "minimum_bytes_per_step": step_minimum / steps,
+        "bytes_per_epoch": total / epochs,
+        "minimum_bytes_per_epoch": minimum / epochs,
+        "overhead_ratio": total / minimum if minimum else float("nan"),
+    }
